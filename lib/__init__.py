@@ -1,0 +1,1 @@
+"""plainrl's shared library: one module per noun."""

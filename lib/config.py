@@ -1,0 +1,168 @@
+"""Config parsing: tyro dataclasses, `@ file.toml` presets (deep-merged, later wins), then dotted CLI flags.
+
+    python scripts/rl.py @ configs/reverse_text/rl.toml @ mine.toml --model.name Qwen/Qwen3-0.6B
+
+TOML tables map to nested dataclasses (`[sampling] temperature = 0.8` is `--sampling.temperature 0.8`).
+The presets are turned into CLI flags placed before the user's own, so tyro checks every value the same
+way and a later flag wins. Bad input ends with one sentence on stderr and exit code 2, never a traceback.
+This module imports no torch: `--help` must stay fast.
+"""
+
+import contextlib
+import dataclasses
+import io
+import re
+import sys
+import tomllib
+import types
+import typing
+from pathlib import Path
+
+import tomli_w
+import tyro
+
+USAGE = "Presets: `@ file.toml` (several allowed, deep-merged, later wins) before any --flag; flags override them."
+
+
+def fail(message: str) -> typing.NoReturn:
+    """Ends the program for a user mistake: one sentence, exit code 2."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def split_presets(argv: list[str]) -> tuple[list[Path], list[str]]:
+    """Separates `@ a.toml`, `@b.toml` preset files from the remaining CLI flags."""
+    files, rest, i = [], [], 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "@":
+            if i + 1 >= len(argv):
+                fail("`@` must be followed by a TOML file.")
+            files.append(Path(argv[i + 1]))
+            i += 2
+        elif token.startswith("@") and token.endswith(".toml"):
+            files.append(Path(token[1:]))
+            i += 1
+        else:
+            rest.append(token)
+            i += 1
+    return files, rest
+
+
+def deep_merge(base: dict, update: dict) -> dict:
+    """Merges `update` into a copy of `base`; nested tables merge, everything else is replaced."""
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_presets(files: list[Path]) -> dict:
+    merged: dict = {}
+    for path in files:
+        if not path.is_file():
+            fail(f"config file {path} does not exist.")
+        try:
+            merged = deep_merge(merged, tomllib.loads(path.read_text()))
+        except tomllib.TOMLDecodeError as error:
+            fail(f"{path} is not valid TOML ({error}).")
+    return merged
+
+
+def _dataclass_type(annotation) -> type | None:
+    """The dataclass behind an annotation such as `ModelConfig` or `ModelConfig | None`, else None."""
+    if dataclasses.is_dataclass(annotation):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(annotation) if dataclasses.is_dataclass(a)]
+        return inner[0] if inner else None
+    return None
+
+
+def _is_bool(annotation) -> bool:
+    return annotation is bool or (
+        typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        and bool in typing.get_args(annotation)
+    )
+
+
+def preset_to_flags(config_class: type, table: dict, prefix: str = "") -> list[str]:
+    """Turns a TOML table into tyro flags, naming the first unknown key in one sentence."""
+    hints = typing.get_type_hints(config_class)
+    fields = {f.name: hints[f.name] for f in dataclasses.fields(config_class) if f.init}
+    flags: list[str] = []
+    for key, value in table.items():
+        name = key.replace("-", "_")
+        if name not in fields:
+            valid = ", ".join(sorted(fields))
+            fail(f"unknown config key '{prefix}{key}' in the TOML presets (valid here: {valid}).")
+        annotation = fields[name]
+        nested = _dataclass_type(annotation)
+        if nested is not None:
+            if not isinstance(value, dict):
+                fail(f"config key '{prefix}{key}' must be a table such as [{prefix}{key}].")
+            flags += preset_to_flags(nested, value, f"{prefix}{name}.")
+        elif isinstance(value, dict):
+            fail(f"config key '{prefix}{key}' takes a single value, not a table.")
+        elif _is_bool(annotation) and isinstance(value, bool):
+            flags.append(f"--{prefix}{name}" if value else f"--{prefix}no-{name}")
+        elif isinstance(value, list):
+            flags += [f"--{prefix}{name}", *(str(v) for v in value)]
+        else:
+            flags += [f"--{prefix}{name}", str(value)]
+    return flags
+
+
+def _tyro_message(captured: str) -> str:
+    """Pulls the sentence out of tyro's boxed error message."""
+    lines = []
+    for line in captured.splitlines():
+        body = line.strip().strip("│╭╮╰╯").strip()
+        if re.fullmatch(r"[─━\s]*", body) and lines:
+            break
+        if body and not body.startswith("─"):
+            lines.append(body)
+    text = " ".join(lines) or captured.strip() or "invalid arguments."
+    text = re.sub(r"^(Error parsing )?\w*Config: ", "", text).replace("Error parsing ", "")
+    return text.rstrip(".") + "."
+
+
+def parse(config_class: type, argv: list[str] | None = None, description: str | None = None):
+    """Builds `config_class` from defaults < TOML presets (in order) < CLI flags."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    files, rest = split_presets(argv)
+    flags = preset_to_flags(config_class, load_presets(files)) + rest
+    if "-h" in rest or "--help" in rest:
+        return tyro.cli(config_class, args=flags, description=f"{description or ''}\n\n{USAGE}")
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            return tyro.cli(config_class, args=flags, description=description)
+    except SystemExit as exit_:
+        if exit_.code in (0, None):
+            raise
+        fail(_tyro_message(captured.getvalue()))
+
+
+def to_dict(config) -> dict:
+    """The config as plain TOML-ready data (None values are left out: TOML has no null)."""
+
+    def clean(value):
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items() if v is not None}
+        if isinstance(value, tuple | list):
+            return [clean(v) for v in value]
+        if isinstance(value, Path):
+            return str(value)
+        return value
+
+    return clean(dataclasses.asdict(config))
+
+
+def write_config(config, path: Path) -> None:
+    """Writes the resolved config; it can be passed back with `@ path` to repeat the run."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(tomli_w.dumps(to_dict(config)))

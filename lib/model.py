@@ -1,0 +1,90 @@
+"""Model loading: Hugging Face causal LMs by hub id or local directory, with device and dtype picked sensibly."""
+
+import dataclasses
+from pathlib import Path
+from typing import Annotated, Literal
+
+import tyro
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    name: Annotated[str, tyro.conf.arg(aliases=("-m",))] = "outputs/models/tiny"
+    """Hugging Face hub id (e.g. Qwen/Qwen3-0.6B) or a local Hugging Face directory (`make tiny` writes one)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Weights and compute dtype; auto = bfloat16 on CUDA, float32 on CPU."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to run; auto = CUDA when available."""
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    """Attention kernel passed to transformers."""
+
+    def __post_init__(self):
+        if not self.name:
+            raise ValueError("model.name must not be empty.")
+
+
+def resolve_device(config: ModelConfig) -> str:
+    import torch
+
+    if config.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("model.device is cuda but no CUDA device is visible.")
+    return config.device
+
+
+def resolve_dtype(config: ModelConfig, device: str):
+    import torch
+
+    if config.dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return getattr(torch, config.dtype)
+
+
+def check_model_name(name: str) -> None:
+    """A path-looking name that does not exist is a typo, not a hub id: say so before any heavy work."""
+    looks_local = name.startswith((".", "/", "~")) or name.startswith("outputs") or Path(name).exists()
+    if looks_local and not (Path(name).expanduser() / "config.json").is_file():
+        hint = " (run `make tiny` to create it)" if "tiny" in name else ""
+        raise ValueError(f"model.name {name} is not a Hugging Face model directory{hint}.")
+
+
+def load_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(config: ModelConfig, device: str | None = None):
+    """Loads the causal LM in the configured dtype on the configured device, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    check_model_name(config.name)
+    device = device or resolve_device(config)
+    model = AutoModelForCausalLM.from_pretrained(
+        config.name, dtype=resolve_dtype(config, device), attn_implementation=config.attn_implementation
+    )
+    return model.to(device).eval()
+
+
+@dataclasses.dataclass
+class LoraConfig:
+    rank: int = 0
+    """LoRA rank; 0 trains every weight (full fine-tuning)."""
+    alpha: float = 16.0
+    """LoRA scaling numerator (scale = alpha / rank)."""
+    dropout: float = 0.0
+    """Dropout on the LoRA input."""
+    target_modules: list[str] = dataclasses.field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    """Module names that get adapters (Qwen3 names by default)."""
+
+    def __post_init__(self):
+        if self.rank < 0:
+            raise ValueError("lora.rank must be 0 (off) or positive.")
+        if self.rank and not self.target_modules:
+            raise ValueError("lora.target_modules must name at least one module when lora.rank > 0.")

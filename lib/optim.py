@@ -1,0 +1,63 @@
+"""Optimizer and learning-rate schedule: AdamW with constant, linear or cosine decay after a linear warm-up."""
+
+import dataclasses
+import math
+from typing import Literal
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    lr: float = 1e-5
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.999
+    """AdamW second-moment decay."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay after warm-up, down to min_lr_ratio * lr at the last step."""
+    warmup_steps: int = 0
+    """Steps of linear warm-up from 0 to lr."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate as a fraction of lr (linear and cosine)."""
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr must be positive, got {self.lr}.")
+        if self.warmup_steps < 0 or self.max_grad_norm < 0 or self.weight_decay < 0:
+            raise ValueError("optim.warmup_steps, optim.max_grad_norm and optim.weight_decay must be >= 0.")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError("optim.min_lr_ratio must be in [0, 1].")
+
+
+def lr_factor(config: OptimConfig, step: int, total_steps: int) -> float:
+    """Multiplier of config.lr at `step` (0-based)."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    if config.schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - config.warmup_steps) / max(1, total_steps - config.warmup_steps - 1))
+    if config.schedule == "linear":
+        decay = 1.0 - progress
+    elif config.schedule == "cosine":
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        raise ValueError(f"unknown schedule {config.schedule}")
+    return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * decay
+
+
+def build_optimizer(params, config: OptimConfig, total_steps: int):
+    """AdamW plus a LambdaLR scheduler stepping once per optimizer step."""
+    import torch
+
+    trainable = [p for p in params if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        trainable, lr=config.lr, betas=(config.beta1, config.beta2), weight_decay=config.weight_decay
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(config, step, total_steps)
+    )
+    return optimizer, scheduler

@@ -1,0 +1,98 @@
+"""The tiny model: a small random Qwen3 with a character-level tokenizer, saved in Hugging Face format."""
+
+import dataclasses
+import string
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>"]
+# Every character the synthetic tasks may produce: printable ASCII plus newline and tab.
+CHARACTERS = sorted(set(string.printable) - {"\r", "\x0b", "\x0c"})
+
+# Qwen-style turns. Each message renders on its own, so the first k turns are a token prefix of k + 1.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclasses.dataclass
+class TinyConfig:
+    hidden_size: int = 64
+    """Width of the residual stream."""
+    num_hidden_layers: int = 2
+    """Number of transformer blocks."""
+    num_attention_heads: int = 4
+    """Query heads (head_dim = hidden_size / heads)."""
+    num_key_value_heads: int = 2
+    """Key/value heads (grouped-query attention)."""
+    intermediate_size: int = 256
+    """Width of the MLP."""
+    max_position_embeddings: int = 2048
+    """Longest sequence, in characters."""
+    seed: int = 0
+    """Seed of the random initialisation: same seed, same weights."""
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be divisible by num_attention_heads.")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be divisible by num_key_value_heads.")
+
+
+def build_tokenizer():
+    """A character-level fast tokenizer with the chat template above."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|unk|>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|unk|>",
+        additional_special_tokens=["<|im_start|>"],
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_model(config: TinyConfig, vocab_size: int, eos_token_id: int, pad_token_id: int):
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    model_config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.hidden_size // config.num_attention_heads,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=True,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        bos_token_id=None,
+        dtype="float32",
+    )
+    torch.manual_seed(config.seed)
+    return Qwen3ForCausalLM(model_config)
+
+
+def write_tiny(out_dir: str | Path, config: TinyConfig | None = None) -> Path:
+    """Writes tokenizer + model to `out_dir` (loadable by AutoModelForCausalLM / AutoTokenizer)."""
+    config = config or TinyConfig()
+    out_dir = Path(out_dir)
+    tokenizer = build_tokenizer()
+    model = build_model(config, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir

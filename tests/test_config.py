@@ -1,0 +1,120 @@
+"""Config parsing: presets, precedence, the resolved config, and one-sentence errors for bad input."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, load_script
+
+from lib.config import parse, write_config
+
+SCRIPTS = ["sft", "rl", "eval", "serve", "tiny"]
+
+
+@pytest.mark.parametrize(
+    "path", sorted((ROOT / "configs").glob("*/*.toml")), ids=lambda p: f"{p.parent.name}/{p.name}"
+)
+def test_every_preset_parses_into_its_config(path):
+    config_class = load_script(path.stem).Config
+    cfg = parse(config_class, ["@", str(path)])
+    assert isinstance(cfg, config_class)
+
+
+def test_precedence_default_then_toml_then_later_toml_then_cli(tmp_path):
+    config_class = load_script("rl").Config
+    default = parse(config_class, [])
+    first = tmp_path / "a.toml"
+    first.write_text("steps = 7\n[sampling]\ntemperature = 0.5\nmax_tokens = 11\n[optim]\nlr = 0.1\n")
+    second = tmp_path / "b.toml"
+    second.write_text("[sampling]\ntemperature = 0.25\n")
+    cfg = parse(config_class, ["@", str(first), f"@{second}", "--optim.lr", "0.5"])
+    assert default.steps == 20 and cfg.steps == 7  # TOML beats default
+    assert cfg.sampling.temperature == 0.25  # later TOML beats earlier, table merged...
+    assert cfg.sampling.max_tokens == 11  # ...not replaced
+    assert cfg.optim.lr == 0.5  # CLI beats TOML
+
+
+def test_bools_and_lists_from_toml(tmp_path):
+    config_class = load_script("sft").Config
+    preset = tmp_path / "p.toml"
+    preset.write_text('packing = false\n[lora]\nrank = 4\ntarget_modules = ["q_proj", "v_proj"]\n')
+    cfg = parse(config_class, ["@", str(preset)])
+    assert cfg.packing is False and cfg.lora.target_modules == ["q_proj", "v_proj"]
+    assert parse(config_class, ["@", str(preset), "--packing"]).packing is True
+
+
+def test_resolved_config_round_trips(tmp_path):
+    config_class = load_script("rl").Config
+    cfg = parse(config_class, ["--steps", "3", "--env.args", '{"min_turns": 2}', "--lora.rank", "8"])
+    write_config(cfg, tmp_path / "config.toml")
+    assert parse(config_class, ["@", str(tmp_path / "config.toml")]) == cfg
+
+
+BAD_INPUTS = [
+    ("rl", ["--steps", "many"], "steps"),  # wrong type
+    ("rl", ["--steps", "0"], "steps"),  # out of range
+    ("rl", ["--sampling.temperature", "-1"], "temperature"),
+    ("rl", ["--rollouts-per-example", "1"], "rollouts_per_example"),
+    ("rl", ["--env.args", "{not json"], "env.args"),
+    ("rl", ["--loss.variant", "dpo"], "variant"),  # not a choice
+    ("rl", ["--no-such-flag", "1"], "no-such-flag"),
+    ("sft", ["--batch-size", "10", "--micro-batch-size", "3"], "not divisible"),
+    ("sft", ["--optim.lr", "0"], "optim.lr"),
+    ("sft", ["--lora.rank", "-2"], "lora.rank"),
+    ("serve", ["--port", "70000"], "port"),
+    ("eval", ["-r", "0"], "rollouts_per_example"),
+    ("rl", ["@", "missing.toml"], "missing.toml"),
+    ("rl", ["@", "{toml:unknown}"], "stepz"),  # unknown key in a TOML
+    ("rl", ["@", "{toml:table}"], "sampling"),  # a table given a scalar
+    ("rl", ["@", "{toml:broken}"], "not valid TOML"),
+]
+
+
+@pytest.mark.parametrize("script,args,needle", BAD_INPUTS, ids=[" ".join(a) for _, a, _ in BAD_INPUTS])
+def test_bad_input_is_one_sentence_and_exit_2(tmp_path, script, args, needle):
+    presets = {"unknown": "stepz = 3\n", "table": "sampling = 3\n", "broken": "steps = = 3\n"}
+    for name, text in presets.items():
+        (tmp_path / f"{name}.toml").write_text(text)
+    args = [str(tmp_path / f"{a[6:-1]}.toml") if a.startswith("{toml:") else a for a in args]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / f"{script}.py"), *args],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert needle in lines[0], lines[0]
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_is_fast_and_imports_no_torch(script):
+    code = (
+        "import sys, runpy; sys.argv = [sys.argv[1], '--help']\n"
+        "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\nexcept SystemExit:\n    pass\n"
+        "print('torch' in sys.modules)"
+    )
+    start = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(ROOT / "scripts" / f"{script}.py")], capture_output=True, text=True
+    )
+    elapsed = time.perf_counter() - start
+    assert result.returncode == 0, result.stderr
+    assert "Usage:" in result.stdout and result.stdout.strip().endswith("False")
+    assert elapsed < 2.0, f"{script}.py --help took {elapsed:.2f} s"
+
+
+def test_lock_files_agree_on_shared_packages():
+    def pins(path: Path) -> dict[str, str]:
+        lines = [line.split(";")[0].strip() for line in path.read_text().splitlines()]
+        return dict(line.split("==") for line in lines if "==" in line and not line.startswith("#"))
+
+    core, vllm = pins(ROOT / "requirements.lock"), pins(ROOT / "requirements-vllm.lock")
+    assert core["torch"] == vllm["torch"] == "2.13.0" and vllm["vllm"] == "0.32.0"
+    assert {name: core[name] for name in core if name in vllm and core[name] != vllm[name]} == {}
+    assert not any(name.startswith("nvidia-") for name in core), "CUDA wheels belong only in the vLLM lock"
