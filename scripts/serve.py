@@ -1,45 +1,34 @@
 """Serves a model over vLLM's HTTP dialect, and takes new weights while it runs.
 
 Two engines behind the same routes (DESIGN §4.1): vLLM on GPUs, and plainrl's builtin PyTorch engine
-(lib/engine.py) for CPUs, laptops and tests. `--engine auto` picks vLLM when it is installed and a
-GPU is visible, else the builtin engine, and says which.
+(lib/engine.py, lib/server.py) for CPUs, laptops and tests. `--engine auto` picks vLLM when it is
+installed and a GPU is visible, else the builtin engine, and logs which. With vLLM this process becomes
+`vllm serve` (lib/vllm.py lists its flags); the builtin engine is served by uvicorn.
+
+Both bind 127.0.0.1 unless --host says otherwise, and take `--api-key` (or $PLAINRL_API_KEY). New weights:
+    curl -X POST $URL/pause?mode=wait
+    curl -X POST $URL/collective_rpc -d '{"method": "reload_weights", "kwargs": {"weights_path": "outputs/run/weights/step_3"}}'
+    curl -X POST $URL/resume
+The builtin engine loads only directories under --weights-root (default outputs/) and reports the
+weight version in /v1/models and in every answer (`weight_version`).
 
 Usage:
     python scripts/serve.py --model.name outputs/models/tiny --port 8000              # CPU, builtin engine
     python scripts/serve.py --model.name Qwen/Qwen3-0.6B --engine vllm --port 8000    # one GPU
-    python scripts/serve.py --model.name Qwen/Qwen3-4B --engine vllm --vllm.data-parallel-size 8
+    python scripts/serve.py --model.name Qwen/Qwen3-4B --engine vllm --vllm.tensor-parallel-size 2 --vllm.data-parallel-size 4
+    # two nodes with 4 GPUs each, 8 replicas behind node 1's endpoint: node 1, then node 2
+    python scripts/serve.py --model.name Qwen/Qwen3-4B --engine vllm --host 0.0.0.0 --api-key KEY --vllm.data-parallel-size 8 --vllm.data-parallel-size-local 4 --vllm.data-parallel-address 10.0.0.1 --vllm.data-parallel-rpc-port 13345
+    python scripts/serve.py --model.name Qwen/Qwen3-4B --engine vllm --vllm.data-parallel-size 8 --vllm.data-parallel-size-local 4 --vllm.data-parallel-address 10.0.0.1 --vllm.data-parallel-rpc-port 13345 --vllm.headless --vllm.data-parallel-start-rank 4
 """
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Literal
 
-from lib.config import parse
+from lib.config import fail, parse
 from lib.model import ModelConfig
-
-
-@dataclasses.dataclass
-class VllmConfig:
-    gpu_memory_utilization: float = 0.9
-    """Fraction of GPU memory vLLM may take (lower it when the trainer shares the GPU)."""
-    max_model_len: int | None = None
-    """Longest sequence vLLM schedules (None = the model's own limit)."""
-    tensor_parallel_size: int = 1
-    """GPUs per model replica."""
-    data_parallel_size: int = 1
-    """Model replicas behind one endpoint (all nodes together)."""
-    data_parallel_size_local: int | None = None
-    """Replicas on this node (multi-node data parallel)."""
-    data_parallel_address: str | None = None
-    """Address of the head node (multi-node data parallel)."""
-    data_parallel_rpc_port: int | None = None
-    """RPC port on the head node (multi-node data parallel)."""
-    data_parallel_start_rank: int | None = None
-    """First data-parallel rank on this node (multi-node, headless nodes)."""
-    headless: bool = False
-    """Run engines only, no API server (every node but the head)."""
-    extra_args: list[str] = dataclasses.field(default_factory=list)
-    """Further `vllm serve` flags, passed through unchanged."""
+from lib.vllm import VllmConfig
 
 
 @dataclasses.dataclass
@@ -74,9 +63,75 @@ class Config:
             raise ValueError("max_batch_size must be at least 1.")
 
 
+def choose_engine(requested: str) -> tuple[str, str]:
+    """The engine to run, and why (auto: vLLM when it is installed and a GPU is visible)."""
+    if requested != "auto":
+        return requested, "--engine " + requested
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("vllm") is None:
+        return "torch", "auto: vLLM is not installed"
+    if not torch.cuda.is_available():
+        return "torch", "auto: no CUDA device is visible"
+    return "vllm", "auto: vLLM is installed and CUDA is visible"
+
+
 def main(cfg: Config) -> None:
-    raise SystemExit("serve.py: the server is not built yet.")
+    import logging
+    import shlex
+
+    from lib.model import check_model_name
+
+    # ------------------------------------------------------------ config
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    log = logging.getLogger("serve")
+    check_model_name(cfg.model.name)
+    api_key = cfg.api_key or os.environ.get("PLAINRL_API_KEY") or None
+    served_model_name = cfg.served_model_name or cfg.model.name
+    if cfg.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("binding %s: the admin routes (pause, reload) are reachable from the network.", cfg.host)
+        if api_key is None:
+            log.warning(
+                "no --api-key: anyone who can reach %s:%d can use and reload this server.", cfg.host, cfg.port
+            )
+    engine, reason = choose_engine(cfg.engine)
+    log.info("engine: %s (%s)", engine, reason)
+
+    # ------------------------------------------------------------ vLLM: hand the process over
+    if engine == "vllm":
+        from lib.vllm import exec_vllm, vllm_command, vllm_environment
+
+        command = vllm_command(
+            cfg.model.name, served_model_name, cfg.host, cfg.port, cfg.model.dtype, cfg.seed, cfg.vllm
+        )
+        log.info("VLLM_SERVER_DEV_MODE=1 %s", shlex.join(command))
+        exec_vllm(command, vllm_environment(api_key))
+        return
+
+    # ------------------------------------------------------------ builtin engine
+    import uvicorn
+
+    from lib.engine import Engine
+    from lib.server import build_app
+
+    engine = Engine(cfg.model, cfg.max_batch_size, cfg.max_model_len, cfg.seed)
+    app = build_app(engine, served_model_name, api_key, cfg.weights_root)
+    log.info(
+        "serving %s on http://%s:%d/v1 (builtin engine on %s, weights root %s)",
+        served_model_name,
+        cfg.host,
+        cfg.port,
+        engine.device,
+        cfg.weights_root,
+    )
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
 
 
 if __name__ == "__main__":
-    main(parse(Config, description=__doc__))
+    config = parse(Config, description=__doc__)
+    try:
+        main(config)
+    except ValueError as error:  # bad input found after parsing (model directory, vLLM missing): one sentence
+        fail(str(error).rstrip(".") + ".")

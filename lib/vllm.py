@@ -1,0 +1,117 @@
+"""vLLM serving: the `vllm serve` command line (vllm==0.32.0) that speaks the same HTTP dialect as the builtin engine.
+
+What each flag is for:
+- `--logprobs-mode processed_logprobs`: logprobs of the distribution actually sampled from (after
+  temperature, top-k, top-p), the ones the importance ratio needs (DESIGN §4.1).
+- `--generation-config vllm`: vLLM's own sampling defaults, not the model's generation_config.json,
+  so a request that leaves temperature out means the same on both engines.
+- `VLLM_SERVER_DEV_MODE=1` (environment): mounts /pause, /resume, /collective_rpc, /reset_prefix_cache.
+- /inference/v1/generate (tokens in, tokens out) needs no flag: vLLM mounts it for every generative model.
+- The API key goes in the environment (`VLLM_API_KEY`), which vLLM reads like `--api-key`, so it does
+  not show in the process list. vLLM checks it on /v1 and /inference only: its dev routes are open,
+  so keep the server on 127.0.0.1 or a private network (the host defaults to 127.0.0.1).
+- Multi-node data parallel: the head runs the API server and `--data-parallel-size-local` engines;
+  every other node runs `--headless` with its `--data-parallel-start-rank`, all pointing at the head's
+  `--data-parallel-address` and `--data-parallel-rpc-port`.
+"""
+
+import dataclasses
+import os
+import shutil
+import sys
+from pathlib import Path
+
+
+@dataclasses.dataclass
+class VllmConfig:
+    gpu_memory_utilization: float = 0.9
+    """Fraction of GPU memory vLLM may take (lower it when the trainer shares the GPU)."""
+    max_model_len: int | None = None
+    """Longest sequence vLLM schedules (None = the model's own limit)."""
+    tensor_parallel_size: int = 1
+    """GPUs per model replica."""
+    data_parallel_size: int = 1
+    """Model replicas behind one endpoint (all nodes together)."""
+    data_parallel_size_local: int | None = None
+    """Replicas on this node (multi-node data parallel)."""
+    data_parallel_address: str | None = None
+    """Address of the head node (multi-node data parallel)."""
+    data_parallel_rpc_port: int | None = None
+    """RPC port on the head node (multi-node data parallel)."""
+    data_parallel_start_rank: int | None = None
+    """First data-parallel rank on this node (multi-node, headless nodes)."""
+    headless: bool = False
+    """Run engines only, no API server (every node but the head)."""
+    extra_args: list[str] = dataclasses.field(default_factory=list)
+    """Further `vllm serve` flags, passed through unchanged."""
+
+    def __post_init__(self):
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"vllm.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
+            )
+        if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
+            raise ValueError("vllm.tensor_parallel_size and vllm.data_parallel_size must be at least 1.")
+        if (
+            self.data_parallel_size_local is not None
+            and not 0 < self.data_parallel_size_local <= self.data_parallel_size
+        ):
+            raise ValueError("vllm.data_parallel_size_local must be in 1..vllm.data_parallel_size.")
+        if self.headless and (self.data_parallel_address is None or self.data_parallel_start_rank is None):
+            raise ValueError(
+                "vllm.headless needs vllm.data_parallel_address and vllm.data_parallel_start_rank."
+            )
+
+
+def vllm_command(
+    model: str,
+    served_model_name: str,
+    host: str,
+    port: int,
+    dtype: str,
+    seed: int,
+    config: VllmConfig,
+) -> list[str]:
+    """The `vllm serve` argument list (the API key travels in the environment, see `vllm_environment`)."""
+    command = ["vllm", "serve", model]
+    if not config.headless:  # a headless node runs engines only: no API server to name, bind or guard
+        command += ["--served-model-name", served_model_name, "--host", host, "--port", str(port)]
+    command += ["--dtype", dtype, "--seed", str(seed)]
+    command += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
+    if config.max_model_len is not None:
+        command += ["--max-model-len", str(config.max_model_len)]
+    command += ["--tensor-parallel-size", str(config.tensor_parallel_size)]
+    command += ["--data-parallel-size", str(config.data_parallel_size)]
+    optional = {
+        "--data-parallel-size-local": config.data_parallel_size_local,
+        "--data-parallel-address": config.data_parallel_address,
+        "--data-parallel-rpc-port": config.data_parallel_rpc_port,
+        "--data-parallel-start-rank": config.data_parallel_start_rank,
+    }
+    for flag, value in optional.items():
+        if value is not None:
+            command += [flag, str(value)]
+    if config.headless:
+        command.append("--headless")
+    command += ["--logprobs-mode", "processed_logprobs", "--generation-config", "vllm"]
+    return command + list(config.extra_args)
+
+
+def vllm_environment(api_key: str | None, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment `vllm serve` runs in: dev-mode routes on, the API key if any."""
+    env = dict(os.environ if base is None else base)
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    if api_key:
+        env["VLLM_API_KEY"] = api_key
+    return env
+
+
+def exec_vllm(command: list[str], env: dict[str, str]) -> None:
+    """Replaces this process with vLLM, so signals (Ctrl-C, the controller's SIGTERM) reach it directly."""
+    beside_python = Path(sys.executable).with_name("vllm")
+    executable = str(beside_python) if beside_python.exists() else shutil.which("vllm")
+    if executable is None:
+        raise ValueError(
+            "vllm is not installed: pip install -r requirements-vllm.lock, or use --engine torch."
+        )
+    os.execve(executable, [executable, *command[1:]], env)
