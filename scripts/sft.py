@@ -1,19 +1,33 @@
 """Supervised warm-up: next-token loss on assistant tokens only, with packing, LoRA and FSDP2.
 
-Data comes from a plainrl taskset (the ideal answers), a local JSONL file (`messages`, or `prompt` +
-`completion`), or a Hugging Face dataset id. Writes weights/step_N (Hugging Face format, servable)
-and checkpoints/step_N (exact resume) under output_dir.
+Data comes from a plainrl taskset (its ideal answers), a local JSONL file (`messages`, or `prompt` +
+`completion`), or a Hugging Face dataset id. Conversations go through the tokenizer's chat template;
+only the assistant turns (through their end-of-turn token) carry loss. Each step takes the next
+batch_size samples of a seeded, per-epoch shuffled stream; the loss is the mean over every assistant
+token of the step (all micro-batches and ranks together), so packing, micro-batching and the number
+of ranks change the arithmetic order, not the result.
+
+Packing puts several samples in one row of seq_len tokens; positions restart at 0 for each sample and
+transformers masks attention across samples from those restarts. Master weights and AdamW state stay
+in float32; on GPU the forward runs under bfloat16 autocast (FSDP2 gathers bf16 parameters). LoRA
+adapters are merged into weights/step_N, so the saved model is a plain Hugging Face model.
+
+Writes under output_dir: config.toml, tb/ (loss, lr, grad norm, tokens/s), weights/step_N (servable by
+serve.py and vLLM) and checkpoints/step_N (trainable weights, optimizer, scheduler, data position, RNG;
+`--resume` continues bit for bit). Both are written to a temporary name and renamed into place.
 
 Usage:
-    python scripts/sft.py @ configs/tiny/sft.toml                                  # CPU
+    python scripts/sft.py @ configs/tiny/sft.toml                                  # CPU (after `make tiny`)
     python scripts/sft.py @ configs/reverse_text/sft.toml                          # one GPU
     torchrun --nproc-per-node 8 scripts/sft.py @ configs/reverse_text/sft.toml     # FSDP2 on 8 GPUs
+    torchrun --nproc-per-node 2 scripts/sft.py @ configs/tiny/sft.toml             # 2 CPU processes (gloo)
+    python scripts/sft.py @ configs/tiny/sft.toml --resume                          # continue a stopped run
 """
 
 import dataclasses
 from pathlib import Path
 
-from lib.config import parse
+from lib.config import fail, parse
 from lib.envs import EnvConfig
 from lib.model import LoraConfig, ModelConfig
 from lib.optim import OptimConfig
@@ -22,9 +36,9 @@ from lib.optim import OptimConfig
 @dataclasses.dataclass
 class Config:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
-    """The model to fine-tune."""
+    """The model to fine-tune (dtype auto trains float32 weights, with bf16 autocast on GPU)."""
     data: EnvConfig = dataclasses.field(default_factory=EnvConfig)
-    """Training data: env.id is a taskset id, a .jsonl path, or a Hugging Face dataset id."""
+    """Training data: data.id is a .jsonl path, a Hugging Face dataset id (contains `/`), or a taskset id."""
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     """AdamW and the learning-rate schedule."""
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
@@ -38,7 +52,7 @@ class Config:
     seq_len: int = 4096
     """Tokens per packed row; longer samples are truncated."""
     packing: bool = True
-    """Pack several samples per row (no attention across samples)."""
+    """Pack each micro-batch's samples into rows of seq_len (no attention across samples); off = one row each."""
     activation_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     output_dir: Path = Path("outputs/sft")
@@ -46,13 +60,13 @@ class Config:
     checkpoint_every: int = 50
     """Write weights and a resumable checkpoint every N steps (and at the end)."""
     keep_checkpoints: int = 2
-    """Resumable checkpoints kept (older ones are deleted)."""
+    """weights/step_N and checkpoints/step_N directories kept (older ones are deleted)."""
     resume: bool = False
-    """Continue from the newest complete checkpoint in output_dir."""
-    log_every: int = 1
-    """Log scalars every N steps."""
+    """Continue from the newest complete checkpoint in output_dir (starts at step 0 if there is none)."""
+    log_every: int = 10
+    """Print a console line every N steps (tensorboard gets every step)."""
     seed: int = 0
-    """Seed of initialisation-time randomness and data order."""
+    """Seed of initialisation-time randomness (LoRA) and of the data order."""
 
     def __post_init__(self):
         if self.steps < 1 or self.batch_size < 1 or self.micro_batch_size < 1 or self.seq_len < 2:
@@ -61,13 +75,172 @@ class Config:
             raise ValueError(
                 f"batch_size {self.batch_size} is not divisible by micro_batch_size {self.micro_batch_size}."
             )
-        if self.checkpoint_every < 1 or self.keep_checkpoints < 1:
-            raise ValueError("checkpoint_every and keep_checkpoints must be at least 1.")
+        if self.checkpoint_every < 1 or self.keep_checkpoints < 1 or self.log_every < 1:
+            raise ValueError("checkpoint_every, keep_checkpoints and log_every must be at least 1.")
 
 
-def main(cfg: Config) -> None:
-    raise SystemExit("sft.py: training is not built yet.")
+def main(cfg: Config) -> dict:
+    """Trains and returns {"run_dir", "weights" (the last weights/step_N), "history" (metrics per step)}."""
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    from lib import dist
+    from lib.checkpoint import latest, load_checkpoint, save_checkpoint, save_weights
+    from lib.config import write_config
+    from lib.data import (
+        IGNORE,
+        batch_indices,
+        load_conversations,
+        make_rows,
+        tokenize_all,
+        use_packed_attention,
+    )
+    from lib.log import RunLog
+    from lib.model import check_model_name, load_model, load_tokenizer, resolve_device, resolve_dtype
+    from lib.optim import build_optimizer
+
+    # ------------------------------------------------------------ config and run directory
+    rank, _, world_size = dist.world()
+    is_main = rank == 0
+    say = print if is_main else (lambda *args: None)
+    if cfg.batch_size % (cfg.micro_batch_size * world_size):
+        raise ValueError(
+            f"batch_size {cfg.batch_size} is not divisible by micro_batch_size {cfg.micro_batch_size} "
+            f"x {world_size} ranks."
+        )
+    check_model_name(cfg.model.name)
+    run_dir = cfg.output_dir
+    resume_from = latest(run_dir / "checkpoints")
+    if resume_from and not cfg.resume:
+        raise ValueError(
+            f"{run_dir} already holds checkpoints: pass --resume to continue, or another --output-dir."
+        )
+    say(f"run dir: {run_dir}")
+    if is_main:
+        write_config(cfg, run_dir / "config.toml")
+
+    # ------------------------------------------------------------ data (before the model: bad data fails fast)
+    tokenizer = load_tokenizer(cfg.model.name)
+    conversations = load_conversations(cfg.data)
+    samples, truncated = tokenize_all(tokenizer, conversations, cfg.seq_len)
+    per_rank = cfg.batch_size // world_size
+    lengths = [len(ids) for ids, _ in samples]
+    say(
+        f"data {cfg.data.id}: {len(conversations)} conversations, {len(samples)} samples, "
+        f"{sum(lengths) / len(lengths):.0f} tokens on average, {truncated} cut to seq_len {cfg.seq_len}; "
+        f"{cfg.batch_size // (cfg.micro_batch_size * world_size)} micro-batches of {cfg.micro_batch_size} "
+        f"per rank per step, packing {'on' if cfg.packing else 'off'}"
+    )
+
+    # ------------------------------------------------------------ dist and model
+    device = dist.init(resolve_device(cfg.model))
+    on_gpu = device.startswith("cuda")
+    # Training keeps float32 master weights (bf16 comes from autocast); the saved weights use the
+    # dtype the model is meant to run in (ModelConfig's: bf16 on CUDA).
+    train_dtype = "float32" if cfg.model.dtype == "auto" else cfg.model.dtype
+    save_dtype = resolve_dtype(cfg.model, device.split(":")[0])
+    model = load_model(dataclasses.replace(cfg.model, dtype=train_dtype), device)
+    if cfg.packing and cfg.model.attn_implementation == "sdpa":
+        use_packed_attention(model)  # flash_attention_2 reads packed rows natively; eager gets a dense mask
+    if cfg.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    torch.manual_seed(cfg.seed)
+    if cfg.lora.rank:
+        import peft
+
+        lora = peft.LoraConfig(
+            r=cfg.lora.rank,
+            lora_alpha=cfg.lora.alpha,
+            lora_dropout=cfg.lora.dropout,
+            target_modules=list(cfg.lora.target_modules),
+        )
+        model = peft.get_peft_model(model, lora)
+    model.train()
+    if world_size > 1:
+        dist.shard(model, bf16=on_gpu)
+    optimizer, scheduler = build_optimizer(model.parameters(), cfg.optim, cfg.steps)
+    params = [p for p in model.parameters() if p.requires_grad]
+    num_trained = sum(p.numel() for p in params)  # DTensors count their full size
+    kind = f"LoRA rank {cfg.lora.rank}" if cfg.lora.rank else "full"
+    say(
+        f"model {cfg.model.name}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
+        f"{num_trained / 1e6:.2f}M trained ({kind}), {world_size} x {device}"
+    )
+
+    # ------------------------------------------------------------ resume
+    start = 0
+    if cfg.resume and resume_from:
+        start = load_checkpoint(resume_from, model, optimizer, scheduler)["step"]
+        say(f"resumed from {resume_from} (step {start})")
+    elif cfg.resume:
+        say(f"no checkpoint in {run_dir / 'checkpoints'}: starting at step 0")
+
+    # ------------------------------------------------------------ loop
+    log = RunLog(run_dir, cfg.steps, start, is_main, cfg.log_every)
+    history, weights = [], None
+    for step in range(start, cfg.steps):
+        started = time.perf_counter()
+        batch = [samples[i] for i in batch_indices(step, cfg.batch_size, len(samples), cfg.seed)]
+        # Every rank knows the whole step's samples, so the normaliser needs no communication.
+        loss_tokens = max(1, sum(sum(mask[1:]) for _, mask in batch))
+        step_tokens = sum(len(ids) for ids, _ in batch)
+        mine = batch[rank * per_rank : (rank + 1) * per_rank]
+        loss_sum = 0.0
+        for first in range(0, per_rank, cfg.micro_batch_size):
+            rows = make_rows(
+                mine[first : first + cfg.micro_batch_size], cfg.seq_len, cfg.packing, tokenizer.pad_token_id
+            )
+            input_ids, position_ids, targets = (t.to(device) for t in rows)  # (R, L) each
+            with torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=on_gpu):
+                output = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+            logits = output.logits  # (R, L, V)
+            trained = targets != IGNORE
+            token_loss = F.cross_entropy(logits[trained].float(), targets[trained], reduction="sum")
+            # FSDP averages gradients over ranks; this loss is already a mean over all ranks' tokens.
+            (token_loss * world_size / loss_tokens).backward()
+            loss_sum += token_loss.item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm or float("inf"))
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss = dist.all_sum(loss_sum, device) / loss_tokens
+        elapsed = time.perf_counter() - started
+
+        # -------------------------------------------------------- log
+        metrics = {
+            "train/loss": loss,
+            "train/lr": lr,
+            "train/grad_norm": grad_norm.item(),
+            "perf/tokens_per_second": step_tokens / elapsed,
+            "perf/step_seconds": elapsed,
+        }
+        history.append(metrics)
+        log.scalars(step + 1, metrics)
+
+        # -------------------------------------------------------- checkpoint
+        done = step + 1
+        if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+            log.flush()  # the curves on disk reach at least as far as the checkpoint
+            weights = save_weights(run_dir, done, model, tokenizer, save_dtype, cfg.keep_checkpoints)
+            progress = {"samples_seen": done * cfg.batch_size, "world_size": world_size}
+            save_checkpoint(run_dir, done, model, optimizer, scheduler, progress, cfg.keep_checkpoints)
+            log.print(f"saved {weights} and checkpoints/step_{done}")
+    log.close()
+    if history:
+        mean_speed = sum(m["perf/tokens_per_second"] for m in history) / len(history)
+        say(f"final loss {history[-1]['train/loss']:.4f}, {mean_speed:.0f} tokens/s on average")
+    say(f"run dir: {run_dir}")
+    dist.close()
+    return {"run_dir": run_dir, "weights": weights, "history": history}
 
 
 if __name__ == "__main__":
-    main(parse(Config, description=__doc__))
+    config = parse(Config, description=__doc__)
+    try:
+        main(config)
+    except ValueError as error:  # bad input found after parsing (files, ranks, data): one sentence
+        fail(str(error).rstrip(".") + ".")

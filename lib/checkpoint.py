@@ -1,0 +1,188 @@
+"""Run outputs written atomically: weights/step_N (Hugging Face, servable) and checkpoints/step_N (exact resume).
+
+Rank 0 writes each directory under a temporary name and renames it into place, so a reader (a server
+reloading weights, a resuming run) never sees a half-written step_N. Every rank must call the save and
+load functions: gathering the sharded state is collective.
+"""
+
+import contextlib
+import copy
+import json
+import random
+import re
+import shutil
+from pathlib import Path
+
+from lib import dist
+
+STEP_DIR = re.compile(r"step_(\d+)")
+
+
+# ---------------------------------------------------------------- directories
+
+
+def step_dirs(parent: Path) -> list[Path]:
+    """Complete step_N directories under `parent`, oldest first (temporary ones are not listed)."""
+    if not parent.is_dir():
+        return []
+    found = [p for p in parent.iterdir() if p.is_dir() and STEP_DIR.fullmatch(p.name)]
+    return sorted(found, key=step_of)
+
+
+def step_of(path: Path) -> int:
+    return int(STEP_DIR.fullmatch(path.name).group(1))
+
+
+def latest(parent: Path) -> Path | None:
+    dirs = step_dirs(parent)
+    return dirs[-1] if dirs else None
+
+
+@contextlib.contextmanager
+def atomic_dir(final: Path):
+    """Yields an empty temporary directory next to `final` and renames it to `final` once the body is done."""
+    tmp = final.parent / f".tmp-{final.name}"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a run that was killed while writing
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if final.exists():  # the same step written again after a resume: swap, then drop the old one
+        old = final.parent / f".old-{final.name}"
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(final)
+
+
+def prune(parent: Path, keep: int) -> None:
+    """Deletes all but the newest `keep` step_N directories."""
+    for path in step_dirs(parent)[:-keep]:
+        shutil.rmtree(path)
+
+
+# ---------------------------------------------------------------- weights
+
+
+def lora_scales(model) -> dict[str, float]:
+    """alpha / rank of every peft LoRA layer, by module name ({} without LoRA)."""
+    return {
+        name: module.scaling["default"]
+        for name, module in model.named_modules()
+        if hasattr(module, "lora_A") and "default" in getattr(module, "scaling", {})
+    }
+
+
+def merge_lora(state: dict, scales: dict[str, float]) -> dict:
+    """A peft state dict turned into the plain model's: W + scale * B @ A, original key names."""
+    if not scales:
+        return state
+    assert not any("lora_embedding" in key for key in state), "only Linear LoRA layers can be merged"
+    merged = {}
+    for key, value in state.items():
+        if ".lora_A." in key or ".lora_B." in key:
+            continue
+        if ".base_layer." in key:
+            module, name = key.split(".base_layer.")
+            if name == "weight":
+                lora_a, lora_b = (
+                    state[f"{module}.lora_A.default.weight"],
+                    state[f"{module}.lora_B.default.weight"],
+                )
+                value = value + (scales[module] * (lora_b.float() @ lora_a.float())).to(value.dtype)
+            key = f"{module}.{name}"
+        merged[key.removeprefix("base_model.model.")] = value
+    return merged
+
+
+def write_hf_dir(path: Path, state: dict, hf_model, tokenizer, dtype) -> None:
+    """config.json, model.safetensors, generation config and tokenizer: what transformers and vLLM load."""
+    from safetensors.torch import save_file
+
+    config = copy.deepcopy(hf_model.config)
+    config.dtype = dtype
+    config.use_cache = True
+    config.save_pretrained(path)
+    if hf_model.generation_config is not None:
+        hf_model.generation_config.save_pretrained(path)
+    tensors = {key: value.to(dtype).contiguous() for key, value in state.items()}
+    if getattr(config, "tie_word_embeddings", False):
+        tensors.pop("lm_head.weight", None)  # the same tensor as the embeddings; safetensors stores it once
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    tokenizer.save_pretrained(path)
+
+
+def save_weights(run_dir: Path, step: int, model, tokenizer, dtype, keep: int) -> Path:
+    """weights/step_N: the full model (LoRA merged) in `dtype`, as a Hugging Face directory."""
+    state = dist.full_model_state(model)
+    path = Path(run_dir) / "weights" / f"step_{step}"
+    if dist.world()[0] == 0:
+        hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+        with atomic_dir(path) as tmp:
+            write_hf_dir(tmp, merge_lora(state, lora_scales(model)), hf_model, tokenizer, dtype)
+        prune(path.parent, keep)
+    dist.barrier()
+    return path
+
+
+# ---------------------------------------------------------------- training state
+
+
+def rng_state() -> dict:
+    import torch
+
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    return {"torch": torch.get_rng_state(), "cuda": cuda, "python": random.getstate()}
+
+
+def set_rng_state(state: dict) -> None:
+    import torch
+
+    torch.set_rng_state(state["torch"])
+    if state["cuda"]:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    random.setstate(state["python"])
+
+
+def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, progress: dict, keep: int) -> Path:
+    """checkpoints/step_N: trainable weights, optimizer, scheduler, every rank's RNG, and `progress`
+    (the data position and anything else the loop needs to continue), as unsharded tensors so a run
+    can resume on another number of ranks."""
+    import torch
+
+    model_state = dist.full_model_state(model, trainable_only=True)
+    optimizer_state = dist.full_optimizer_state(model, optimizer)
+    rng = dist.all_gather(rng_state())
+    path = Path(run_dir) / "checkpoints" / f"step_{step}"
+    if dist.world()[0] == 0:
+        with atomic_dir(path) as tmp:
+            torch.save(model_state, tmp / "model.pt")
+            torch.save(optimizer_state, tmp / "optimizer.pt")
+            torch.save({"scheduler": scheduler.state_dict(), "rng": rng}, tmp / "state.pt")
+            (tmp / "progress.json").write_text(json.dumps({"step": step, **progress}, indent=2))
+        prune(path.parent, keep)
+    dist.barrier()
+    return path
+
+
+def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
+    """Restores what save_checkpoint wrote and returns its `progress`. Rank 0 reads the weights and
+    optimizer and broadcasts them; every rank reads the small state (multi-node needs a shared path)."""
+    import torch
+
+    rank, _, world_size = dist.world()
+    main = rank == 0
+    model_state = torch.load(path / "model.pt", map_location="cpu") if main else {}
+    optimizer_state = torch.load(path / "optimizer.pt", map_location="cpu") if main else {}
+    dist.load_full_state(model, optimizer, model_state, optimizer_state)
+    state = torch.load(path / "state.pt")
+    scheduler.load_state_dict(state["scheduler"])
+    if len(state["rng"]) == world_size:
+        set_rng_state(state["rng"][rank])
+    else:  # another number of ranks: the weights continue exactly, the random streams cannot
+        set_rng_state(state["rng"][0])
+    return json.loads((path / "progress.json").read_text())

@@ -1,0 +1,129 @@
+"""Distributed training: rank and world size from torchrun's environment, the process group, FSDP2 and full state."""
+
+import os
+
+
+def world() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) as torchrun sets them; (0, 0, 1) under a plain `python` launch."""
+    env = os.environ
+    return int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0)), int(env.get("WORLD_SIZE", 1))
+
+
+def init(device: str) -> str:
+    """Joins the process group when torchrun started several processes (nccl on CUDA, gloo on CPU)
+    and returns this process's device."""
+    import torch
+    import torch.distributed as dist
+
+    _, local_rank, world_size = world()
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = f"cuda:{local_rank}"
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    return device
+
+
+def close() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_sum(value: float, device: str) -> float:
+    """The sum of a number over all ranks (the number itself in a single process)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return float(value)
+    tensor = torch.tensor(float(value), dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.item()
+
+
+def all_gather(value) -> list:
+    """Every rank's picklable `value`, in rank order."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [value]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def shard(model, bf16: bool) -> None:
+    """FSDP2: each transformer block, then the rest, sharded across ranks (parameters become DTensors).
+
+    With bf16, parameters are gathered and computed in bfloat16 and gradients reduced in float32,
+    while the sharded master weights and the optimizer state stay in float32.
+    """
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    kwargs = {"mp_policy": policy} if policy else {}
+    block_names = set(getattr(model, "_no_split_modules", None) or [])
+    if not block_names and hasattr(model, "get_base_model"):  # peft wraps the transformers model
+        block_names = set(model.get_base_model()._no_split_modules or [])
+    blocks = [module for module in model.modules() if type(module).__name__ in block_names]
+    assert blocks, f"found no transformer blocks ({block_names}) to shard"
+    for block in blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def _options(**kwargs):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kwargs)
+
+
+def full_model_state(model, trainable_only: bool = False) -> dict:
+    """The unsharded model state on CPU, on rank 0 (other ranks get {}); every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state = get_model_state_dict(
+        model, options=_options(cpu_offload=True, ignore_frozen_params=trainable_only)
+    )
+    if trainable_only:  # a frozen weight tied to another one (lm_head) still slips through
+        trained = {name for name, param in model.named_parameters() if param.requires_grad}
+        state = {name: value for name, value in state.items() if name in trained}
+    return state
+
+
+def full_optimizer_state(model, optimizer) -> dict:
+    """The unsharded optimizer state keyed by parameter names, on rank 0; every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=True))
+
+
+def load_full_state(model, optimizer, model_state: dict, optimizer_state: dict) -> None:
+    """Loads unsharded states read on rank 0 into every rank's shards (other ranks pass {})."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    options = _options(broadcast_from_rank0=dist.is_initialized(), strict=False)
+    set_model_state_dict(model, model_state, options=options)
+    set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
+
+
+def scatter(shares: list):
+    """Rank 0's shares[r] delivered to rank r (shares is ignored on other ranks); shares[0] in one process."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return shares[0]
+    received = [None]
+    dist.scatter_object_list(received, shares if dist.get_rank() == 0 else None, src=0)
+    return received[0]

@@ -1,0 +1,84 @@
+"""Atomic step directories, keep-last-K, the LoRA merge, and a full training-state round trip."""
+
+import json
+
+import pytest
+import torch
+
+from lib.checkpoint import atomic_dir, latest, load_checkpoint, merge_lora, prune, save_checkpoint, step_dirs
+
+
+def test_atomic_dir_appears_whole_or_not_at_all(tmp_path):
+    final = tmp_path / "weights" / "step_3"
+    with pytest.raises(RuntimeError):
+        with atomic_dir(final) as tmp:
+            (tmp / "config.json").write_text("{}")
+            assert not final.exists()  # a reader sees nothing while it is written
+            raise RuntimeError("killed mid-write")
+    assert not final.exists() and list(final.parent.iterdir()) == []
+    with atomic_dir(final) as tmp:
+        (tmp / "a").write_text("first")
+    with atomic_dir(final) as tmp:  # the same step again (after a resume) replaces it
+        (tmp / "b").write_text("second")
+    assert [p.name for p in final.iterdir()] == ["b"]
+    assert [p.name for p in final.parent.iterdir()] == ["step_3"]
+
+
+def test_latest_and_prune_order_steps_numerically_and_skip_temporary_dirs(tmp_path):
+    for name in ["step_9", "step_10", "step_2", ".tmp-step_11", "notes"]:
+        (tmp_path / name).mkdir()
+    assert [p.name for p in step_dirs(tmp_path)] == ["step_2", "step_9", "step_10"]
+    assert latest(tmp_path).name == "step_10" and latest(tmp_path / "missing") is None
+    prune(tmp_path, keep=2)
+    assert [p.name for p in step_dirs(tmp_path)] == ["step_9", "step_10"]
+
+
+def test_merge_lora_adds_scaled_low_rank_update_under_plain_names():
+    base, lora_a, lora_b = torch.randn(6, 4), torch.randn(2, 4), torch.randn(6, 2)
+    prefix = "base_model.model.model.layers.0.mlp.up_proj"
+    state = {
+        f"{prefix}.base_layer.weight": base,
+        f"{prefix}.lora_A.default.weight": lora_a,
+        f"{prefix}.lora_B.default.weight": lora_b,
+        "base_model.model.model.norm.weight": torch.ones(4),
+    }
+    merged = merge_lora(state, {prefix: 0.5})
+    assert sorted(merged) == ["model.layers.0.mlp.up_proj.weight", "model.norm.weight"]
+    torch.testing.assert_close(merged["model.layers.0.mlp.up_proj.weight"], base + 0.5 * lora_b @ lora_a)
+
+
+def test_training_state_round_trips_exactly(tmp_path):
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        model[0].weight.requires_grad_(False)  # frozen weights are not stored
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (step + 1))
+        return model, optimizer, scheduler
+
+    model, optimizer, scheduler = build()
+    for _ in range(3):
+        model(torch.randn(5, 4)).square().mean().backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    path = save_checkpoint(tmp_path, 3, model, optimizer, scheduler, {"samples_seen": 12}, keep=1)
+    assert "0.weight" not in torch.load(path / "model.pt")
+    assert json.loads((path / "progress.json").read_text()) == {"step": 3, "samples_seen": 12}
+    expected_next = torch.rand(3)
+
+    restored, restored_optimizer, restored_scheduler = build()
+    torch.manual_seed(123)  # different RNG: the checkpoint's must come back
+    assert load_checkpoint(path, restored, restored_optimizer, restored_scheduler)["step"] == 3
+    assert torch.equal(torch.rand(3), expected_next)
+    for a, b in zip(model.state_dict().values(), restored.state_dict().values()):
+        assert torch.equal(a, b)
+    assert restored_scheduler.get_last_lr() == scheduler.get_last_lr()
+    x = torch.randn(5, 4)
+    for m, o in ((model, optimizer), (restored, restored_optimizer)):
+        m(x).square().mean().backward()
+        o.step()
+    for a, b in zip(model.parameters(), restored.parameters()):
+        assert torch.equal(a, b)  # same Adam moments, same step count
+    save_checkpoint(tmp_path, 4, model, optimizer, scheduler, {}, keep=1)
+    assert [p.name for p in step_dirs(tmp_path / "checkpoints")] == ["step_4"]

@@ -1,0 +1,169 @@
+"""sft.py end to end on the tiny model: outputs, exact resume, accumulation, LoRA merge, two CPU processes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, load_script
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lib.config import parse
+
+TEXTS = [
+    "hello",
+    "plain torch",
+    "abc def",
+    "reverse",
+    "tiny model",
+    "qwen",
+    "x y z",
+    "packing",
+    "resume",
+    "ok",
+]
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "reverse.jsonl"
+    records = [
+        {
+            "prompt": [{"role": "system", "content": "Reverse."}, {"role": "user", "content": t}],
+            "completion": t[::-1],
+        }
+        for t in TEXTS
+    ]
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
+def flags(tiny_dir, data_file, output_dir, *extra) -> list[str]:
+    return [
+        "--model.name", str(tiny_dir), "--data.id", str(data_file), "--output-dir", str(output_dir),
+        "--steps", "4", "--batch-size", "4", "--micro-batch-size", "2", "--seq-len", "64",
+        "--optim.lr", "3e-3", "--optim.schedule", "cosine", "--optim.warmup-steps", "1", *extra,
+    ]  # fmt: skip
+
+
+def run(*args) -> dict:
+    sft = load_script("sft")
+    return sft.main(parse(sft.Config, list(args)))
+
+
+def losses(history: list[dict]) -> list[float]:
+    return [metrics["train/loss"] for metrics in history]
+
+
+def weights(path) -> dict:
+    return AutoModelForCausalLM.from_pretrained(path).state_dict()
+
+
+def test_outputs_config_weights_checkpoints_and_tensorboard(tiny_dir, data_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    result = run(*flags(tiny_dir, data_file, out, "--checkpoint-every", "2", "--keep-checkpoints", "1"))
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == lines[-1] == f"run dir: {out}"
+    assert losses(result["history"])[-1] < losses(result["history"])[0]
+    sft = load_script("sft")
+    assert parse(sft.Config, ["@", str(out / "config.toml")]).steps == 4
+    assert [p.name for p in (out / "weights").iterdir()] == ["step_4"]  # keep 1
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_4"]
+    assert json.loads((out / "checkpoints/step_4/progress.json").read_text())["samples_seen"] == 16
+    model = AutoModelForCausalLM.from_pretrained(out / "weights/step_4")
+    tokenizer = AutoTokenizer.from_pretrained(out / "weights/step_4")
+    assert tokenizer.chat_template and model.config.architectures == ["Qwen3ForCausalLM"]
+    assert "plainrl" not in (out / "weights/step_4/config.json").read_text()  # no training-only attention
+    events = EventAccumulator(str(out / "tb")).Reload()
+    tags = events.Tags()["scalars"]
+    assert {"train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_second"} <= set(tags)
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match="--resume"):  # a second run would mix with the first
+        run(*flags(tiny_dir, data_file, out))
+
+
+def test_resume_after_a_kill_gives_the_same_losses_and_weights(tiny_dir, data_file, tmp_path, monkeypatch):
+    args = ("--steps", "6", "--checkpoint-every", "3")
+    full = run(*flags(tiny_dir, data_file, tmp_path / "full", *args))
+
+    import lib.checkpoint
+
+    save = lib.checkpoint.save_checkpoint
+
+    def save_then_die(*a, **kw):
+        save(*a, **kw)
+        raise KeyboardInterrupt  # killed right after the step-3 checkpoint
+
+    monkeypatch.setattr(lib.checkpoint, "save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        run(*flags(tiny_dir, data_file, tmp_path / "cut", *args))
+    monkeypatch.setattr(lib.checkpoint, "save_checkpoint", save)
+    resumed = run(*flags(tiny_dir, data_file, tmp_path / "cut", *args, "--resume"))
+
+    assert len(resumed["history"]) == 3
+    assert losses(resumed["history"]) == losses(full["history"])[3:]  # bit for bit
+    a, b = weights(tmp_path / "full/weights/step_6"), weights(tmp_path / "cut/weights/step_6")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    curve = EventAccumulator(str(tmp_path / "cut/tb")).Reload().Scalars("train/loss")
+    assert [event.step for event in curve] == [1, 2, 3, 4, 5, 6]  # one curve across both runs
+
+
+def test_accumulation_packing_and_recomputation_do_not_change_the_step(tiny_dir, data_file, tmp_path):
+    one = run(*flags(tiny_dir, data_file, tmp_path / "one", "--micro-batch-size", "4", "--steps", "2"))
+    more = ("--micro-batch-size", "1", "--no-packing", "--activation-checkpointing", "--steps", "2")
+    accumulated = run(*flags(tiny_dir, data_file, tmp_path / "acc", *more))
+    assert losses(accumulated["history"]) == pytest.approx(losses(one["history"]), rel=1e-5)
+    a, b = weights(tmp_path / "one/weights/step_2"), weights(tmp_path / "acc/weights/step_2")
+    # Adam's first steps divide by |gradient|, so rounding-level gradient differences show up ~1e-5.
+    assert all(torch.allclose(a[k], b[k], atol=1e-4) for k in a)
+
+
+def test_lora_weights_are_merged_into_the_saved_model(tiny_dir, data_file, tmp_path):
+    import peft
+
+    out = tmp_path / "lora"
+    result = run(*flags(tiny_dir, data_file, out, "--lora.rank", "4", "--lora.alpha", "8", "--steps", "2"))
+    adapter = torch.load(out / "checkpoints/step_2/model.pt")
+    assert adapter and all("lora_" in key for key in adapter)  # only the adapters are trained and stored
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=load_script("sft").Config().lora.target_modules
+    )
+    base_plus_adapter = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_dir), config).eval()
+    missing = base_plus_adapter.load_state_dict(adapter, strict=False)
+    assert not missing.unexpected_keys
+    merged = AutoModelForCausalLM.from_pretrained(result["weights"]).eval()
+    ids = torch.tensor([AutoTokenizer.from_pretrained(tiny_dir)("hello, merged world")["input_ids"]])
+    with torch.no_grad():
+        expected, actual = base_plus_adapter(ids).logits, merged(ids).logits
+        assert not torch.allclose(
+            AutoModelForCausalLM.from_pretrained(tiny_dir)(ids).logits, actual, atol=1e-4
+        )
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_two_cpu_processes_match_one(tiny_dir, data_file, tmp_path):
+    args = flags(tiny_dir, data_file, tmp_path / "two", "--steps", "3", "--micro-batch-size", "1")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        "29517",
+    ]
+    result = subprocess.run(
+        [*torchrun, str(ROOT / "scripts/sft.py"), *args], capture_output=True, text=True, env=env, timeout=180
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 x cpu" in result.stdout  # FSDP2 over gloo
+    one = run(*flags(tiny_dir, data_file, tmp_path / "one", "--steps", "3", "--micro-batch-size", "2"))
+    events = EventAccumulator(str(tmp_path / "two/tb")).Reload()
+    two_losses = [event.value for event in events.Scalars("train/loss")]
+    assert two_losses == pytest.approx(losses(one["history"]), rel=1e-5)
+    a, b = weights(tmp_path / "one/weights/step_3"), weights(tmp_path / "two/weights/step_3")
+    assert all(torch.allclose(a[k], b[k], atol=1e-4) for k in a)
