@@ -1,7 +1,25 @@
-"""Environments: which verifiers taskset to run, with which arguments, on how many examples."""
+"""Environments: verifiers tasksets by id, played in-process (plainrl_chat harness) against a server, and their samples."""
 
+import asyncio
+import contextlib
 import dataclasses
 import json
+import os
+import socket
+import sys
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import urlparse
+
+# verifiers takes ~3 s to import: it is imported inside the functions, so EnvConfig stays cheap (--help).
+if TYPE_CHECKING:
+    import verifiers.v1 as vf
+
+    from lib.sampling import SamplingConfig
+
+API_KEY_VAR = "PLAINRL_API_KEY"
 
 
 @dataclasses.dataclass
@@ -28,3 +46,330 @@ class EnvConfig:
     @property
     def kwargs(self) -> dict:
         return json.loads(self.args)
+
+
+# ---------------------------------------------------------------- data
+
+
+def hub_reachable(timeout: float = 2.0) -> bool:
+    """Whether the Hugging Face hub answers a TCP connect within `timeout` seconds (offline machines fail fast)."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
+def hf_rows(taskset: str, dataset: str, split: str, source: str) -> list[dict] | None:
+    """The rows of a HF dataset, or None where a taskset should make synthetic data; says which on stderr.
+
+    source "hf" must load (errors propagate; with HF_HUB_OFFLINE=1 from the local cache), "synthetic"
+    never tries, "auto" tries only when the hub answers within 2 s and falls back to synthetic data on
+    any failure, naming the cause.
+    """
+    if source == "synthetic":
+        print(f"{taskset}: synthetic data (source=synthetic)", file=sys.stderr)
+        return None
+    if source == "auto" and not hub_reachable():
+        print(
+            f"{taskset}: the Hugging Face hub is unreachable or HF_HUB_OFFLINE is set: synthetic data instead of "
+            f"{dataset} (the argument source=hf loads a cached copy)",
+            file=sys.stderr,
+        )
+        return None
+    import datasets
+
+    try:
+        rows = list(datasets.load_dataset(dataset, split=split))
+    except Exception as error:  # any loading failure in auto mode means: fall back, and say why
+        if source == "hf":
+            raise
+        print(f"{taskset}: could not load {dataset} ({error}); synthetic data instead", file=sys.stderr)
+        return None
+    print(f"{taskset}: {len(rows)} rows of {dataset} ({split})", file=sys.stderr)
+    return rows
+
+
+# ---------------------------------------------------------------- loading
+
+
+def taskset_args(env: EnvConfig) -> dict:
+    """The taskset's arguments: env.args, plus env.seed and env.num_examples where the taskset has such fields."""
+    import verifiers.v1 as vf
+
+    fields = vf.taskset_config_type(env.id).model_fields
+    args = env.kwargs
+    if "seed" in fields:
+        args.setdefault("seed", env.seed)
+    if "num_examples" in fields and env.num_examples > 0:
+        args.setdefault("num_examples", env.num_examples)
+    return args
+
+
+def vf_env_config(env: EnvConfig) -> dict:
+    """verifiers' env config: the taskset by id with its arguments, played through plainrl_chat in-process.
+
+    The subprocess runtime only makes a scratch directory and plainrl_chat only makes HTTP calls to
+    verifiers' interception server: no sandbox, container or package download.
+    """
+    # A pooled connection the server closes as it is reused fails the call (the train client says
+    # "Connection error", the eval relay answers 503); rerunning the rollout is safe.
+    retries = {
+        "rules": [
+            {"type": "ProviderError", "message": "Connection error", "max_retries": 2},
+            {"type": "ProviderError", "status_code": [503], "max_retries": 2},
+        ]
+    }
+    return {
+        "taskset": {"id": env.id, **taskset_args(env)},
+        # Without these pins verifiers would start a remote sandbox and its `bash` harness.
+        "agent": {"harness": {"id": "plainrl_chat"}, "runtime": {"type": "subprocess"}, "retries": retries},
+        "interception": {"type": "server"},
+    }
+
+
+def load_env(env: EnvConfig) -> "vf.Env":
+    """The verifiers Env for `env`; its tasks are `list(load_tasks(...))`. Bad arguments fail here, in one sentence."""
+    import pydantic
+    import verifiers.v1 as vf
+
+    try:
+        config = vf.resolve_env_config(vf_env_config(env))
+    except ModuleNotFoundError:
+        raise ValueError(f"environment {env.id} is not an installed verifiers taskset.") from None
+    except (AttributeError, TypeError) as error:  # a module by that name that is no taskset
+        raise ValueError(f"environment {env.id} is not a verifiers taskset ({error})") from None
+    except pydantic.ValidationError as error:
+        problems = "; ".join(
+            ".".join(map(str, e["loc"][1:] or ["args"]))
+            + ": "
+            + e["msg"].removeprefix("Value error, ").rstrip(".")
+            for e in error.errors()
+        )
+        raise ValueError(f"bad arguments for environment {env.id}: {problems}.") from None
+    _use_sharded_pools()
+    return vf.load_environment(config)
+
+
+def _use_sharded_pools() -> None:
+    """Makes verifiers' HTTP clients (the eval relay, the train client's /generate calls) use sharded pools.
+
+    With 64 requests in flight on one httpcore pool, its bookkeeping alone cost 3-4 ms of CPU per
+    rollout, a third of the environment layer (benchmarks/bench_env_overhead.py).
+    """
+    import httpx
+    import verifiers.v1.clients.base as base
+    import verifiers.v1.clients.eval as eval_client
+
+    from lib.client import ShardedTransport
+
+    def build_async_httpx(config) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            timeout=httpx.Timeout(**config.timeout.model_dump()), transport=ShardedTransport()
+        )
+
+    # The train client calls it through base (build_async_openai); the eval client imported the name.
+    base.build_async_httpx = eval_client.build_async_httpx = build_async_httpx
+
+
+def load_tasks(vf_env: "vf.Env", env: EnvConfig) -> list:
+    """The tasks of the env, at most env.num_examples of them."""
+    taskset = vf_env.taskset if env.num_examples < 0 else vf_env.taskset.take(env.num_examples)
+    tasks = list(taskset)
+    if not tasks:
+        raise ValueError(f"environment {env.id} gave no tasks.")
+    return tasks
+
+
+# ---------------------------------------------------------------- running
+
+
+def renderer_name(model: str) -> str:
+    """Renderer of the train client: the model-specific one for known hub ids (e.g. qwen3), else the chat template."""
+    from renderers.base import MODEL_RENDERER_MAP
+
+    return MODEL_RENDERER_MAP.get(model, "default")
+
+
+def model_context(
+    base_url: str,
+    model: str,
+    sampling: "SamplingConfig",
+    api_key: str | None = None,
+    train: bool = False,
+    tokenizer: str | Path | None = None,
+    renderer: str = "auto",
+) -> "vf.ModelContext":
+    """Which server and model episodes talk to, and how they sample.
+
+    The eval client (train=False) relays chat requests to any OpenAI-compatible server: messages and
+    rewards only. The train client renders the chat here with `tokenizer` (default: the model; give a
+    local directory so nothing asks the hub) and calls /inference/v1/generate, so episodes carry token
+    ids and logprobs. `renderer` "auto" picks the model-specific renderer of a known hub id, else the
+    tokenizer's chat template; pass e.g. "qwen3" for a local fine-tune of Qwen3. `api_key` (default:
+    $PLAINRL_API_KEY) is sent as the bearer token.
+    """
+    import verifiers.v1 as vf
+
+    base_url = base_url.rstrip("/")
+    if not base_url.endswith("/v1"):
+        raise ValueError(f"the base URL must end in /v1, e.g. http://localhost:8000/v1, got {base_url}.")
+    if api_key:
+        os.environ[API_KEY_VAR] = api_key  # verifiers' clients read the key from the environment only
+    values = {"temperature": sampling.temperature, "top_p": sampling.top_p, "max_tokens": sampling.max_tokens}
+    if sampling.top_k > 0:
+        values["top_k"] = sampling.top_k
+    if sampling.seed is not None:
+        values["seed"] = sampling.seed
+    if train:
+        client = vf.TrainClientConfig(
+            base_url=base_url,
+            api_key_var=API_KEY_VAR,
+            renderer={"name": renderer_name(model) if renderer == "auto" else renderer},
+            renderer_model_name=str(tokenizer or model),
+        )
+    else:
+        client = vf.EvalClientConfig(base_url=base_url, api_key_var=API_KEY_VAR)
+    return vf.ModelContext(model=model, client=client, sampling=vf.SamplingConfig(**values))
+
+
+async def run_episode(vf_env: "vf.Env", task, ctx: "vf.ModelContext") -> "vf.Episode":
+    """One episode of `task`; call inside `async with vf_env.serving():`. Failures come back as data, never raised."""
+    _rebind_renderers_lock()
+    return await vf_env.run_episode(task, ctx)
+
+
+async def run_group(
+    vf_env: "vf.Env",
+    task,
+    ctx: "vf.ModelContext",
+    num: int,
+    semaphore: asyncio.Semaphore | None = None,
+    on_complete: Callable[["vf.Episode"], None] | None = None,
+) -> list["vf.Episode"]:
+    """`num` episodes of one task, run together; `semaphore` bounds episodes in flight across groups.
+
+    `on_complete` is called as each episode ends (a progress bar, say).
+    """
+
+    async def one() -> "vf.Episode":
+        async with semaphore or contextlib.nullcontext():
+            episode = await run_episode(vf_env, task, ctx)
+        if on_complete is not None:
+            on_complete(episode)
+        return episode
+
+    return await asyncio.gather(*(one() for _ in range(num)))
+
+
+_lock_loop = None
+
+
+def _rebind_renderers_lock() -> None:
+    """Gives renderers' module-level asyncio.Lock to the running event loop.
+
+    The train client guards its first GET /v1/models per server with that lock, which binds to the
+    first loop that waits on it; every train episode of a later asyncio.run (tests, a second eval in
+    one process) would then fail with "bound to a different event loop".
+    """
+    global _lock_loop
+    import renderers.client
+
+    loop = asyncio.get_running_loop()
+    if _lock_loop is None or _lock_loop() is not loop:
+        renderers.client._max_prompt_len_lock = asyncio.Lock()
+        _lock_loop = weakref.ref(loop)
+
+
+def episode_error(episode: "vf.Episode") -> str | None:
+    """Why an episode failed (the last error of the episode or of its traces), or None if it did not."""
+    errors = list(episode.errors) + [error for trace in episode.traces for error in trace.errors]
+    if episode.ok and not errors:
+        return None
+    if not errors:
+        return "the episode did not complete (no error recorded)"
+    return f"{errors[-1].type}: {errors[-1].message}"
+
+
+def episode_reward(episode: "vf.Episode") -> float:
+    """The reward of the episode's (single-agent) trace; 0 when scoring did not happen."""
+    return float(sum(trace.reward or 0.0 for trace in episode.traces))
+
+
+@dataclasses.dataclass
+class Sample:
+    """One training sequence of an episode, exactly as the model saw it."""
+
+    token_ids: list[int]
+    """Every token: the prompt, each completion, and the user turns between them."""
+    loss_mask: list[bool]
+    """True on the tokens the model sampled; prompt and user-turn tokens are False."""
+    logprobs: list[float]
+    """The server's logprob of each token (0.0 where loss_mask is False)."""
+    reward: float
+    """Reward of the whole episode."""
+    completion: str
+    """Everything after the prompt as text (user turns tagged), for logs."""
+
+
+def training_samples(episode: "vf.Episode") -> tuple[list[Sample], str | None]:
+    """Samples of a train-client episode, one per trainable branch, and why it failed (None if it did not).
+
+    A failed episode gives no samples: its reward would be missing, not 0. A chat template that
+    rewrites earlier turns forks an episode into several branches, each its own sample.
+    """
+    error = episode_error(episode)
+    if error is not None:
+        return [], error
+    samples = []
+    for trace in episode.traces:
+        if not trace.agent.trainable:
+            continue
+        for branch in trace.branches:
+            if not branch.trainable or not any(branch.sampled_mask):
+                continue  # eval-client traces carry no tokens
+            assert len(branch.token_ids) == len(branch.sampled_mask) == len(branch.logprobs), "ragged branch"
+            messages = branch.messages
+            first = next((i for i, m in enumerate(messages) if m.role == "assistant"), len(messages))
+            completion = "\n".join(
+                str(m.content) if m.role == "assistant" else f"[{m.role}] {m.content}"
+                for m in messages[first:]
+            )
+            samples.append(
+                Sample(
+                    token_ids=list(branch.token_ids),
+                    loss_mask=list(branch.sampled_mask),
+                    logprobs=list(branch.logprobs),
+                    reward=float(trace.reward),
+                    completion=completion,
+                )
+            )
+    return samples, None
+
+
+# ---------------------------------------------------------------- SFT data
+
+
+def sft_conversations(env: EnvConfig) -> list[list[dict]]:
+    """Conversations that end with the ideal assistant answers, from a taskset that knows them.
+
+    The taskset module provides `reference_conversation(task_data) -> list[dict]` (reverse_text and
+    alphabet_sort do); the chat messages are the ones an episode would show the model.
+    """
+    import verifiers.v1 as vf
+    from verifiers.v1.utils.loaders import import_taskset
+
+    try:
+        module = import_taskset(env.id)
+    except ModuleNotFoundError:
+        raise ValueError(f"environment {env.id} is not an installed verifiers taskset.") from None
+    if not hasattr(module, "reference_conversation"):
+        raise ValueError(f"environment {env.id} has no reference answers to build SFT data from.")
+    config = vf.taskset_config_type(env.id).model_validate({"id": env.id, **taskset_args(env)})
+    taskset = vf.load_taskset(config)
+    if env.num_examples > 0:
+        taskset = taskset.take(env.num_examples)
+    return [module.reference_conversation(task.data) for task in taskset]

@@ -1,9 +1,12 @@
 """Evaluates a model on an environment through any OpenAI-compatible endpoint.
 
 Runs `-n` examples x `-r` rollouts, prints average reward (with its standard deviation), perfect
-rate, pass@k, completion tokens, errors and a few samples, and writes
-outputs/eval/<name>/results.jsonl and summary.json. Without `-b`, starts the builtin server on the
-local model and stops it afterwards.
+rate (reward == 1), pass@k (an example passes when one of k rollouts is perfect; unbiased estimator
+over the -r rollouts), average completion tokens, errors and a few samples, and writes
+outputs/eval/<name>/results.jsonl (one line per rollout) and summary.json. Without `-b`, starts the
+builtin server (scripts/serve.py) on the model and stops it afterwards. An episode that fails (server
+error, harness failure, an exception in a reward) is counted as an error with its cause, scores 0 in
+the averages, and never stops the run.
 
 Usage:
     python scripts/eval.py reverse_text -m outputs/models/tiny -n 20 -r 3               # CPU, own server
@@ -11,13 +14,20 @@ Usage:
     python scripts/eval.py alphabet_sort -m M -b URL --env-args '{"min_turns": 3, "max_turns": 3}'
 """
 
+import asyncio
+import contextlib
 import dataclasses
+import json
+import math
+import os
+import statistics
+import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import tyro
 
-from lib.config import parse
+from lib.config import fail, parse, write_config
 from lib.model import ModelConfig
 from lib.sampling import SamplingConfig
 
@@ -31,7 +41,9 @@ class Config:
     base_url: Annotated[str | None, tyro.conf.arg(aliases=("-b",))] = None
     """OpenAI-compatible base URL such as http://localhost:8000/v1; None starts a builtin server."""
     api_key: str | None = None
-    """API key for the endpoint (default: $OPENAI_API_KEY if set)."""
+    """API key for the endpoint (default: $PLAINRL_API_KEY, else $OPENAI_API_KEY, if set)."""
+    engine: Literal["auto", "torch", "vllm"] = "auto"
+    """Engine of the server started when no -b is given."""
     num_examples: Annotated[int, tyro.conf.arg(aliases=("-n",))] = 20
     """Examples to evaluate (-1 = all)."""
     rollouts_per_example: Annotated[int, tyro.conf.arg(aliases=("-r",))] = 3
@@ -58,10 +70,177 @@ class Config:
             raise ValueError("rollouts_per_example must be at least 1.")
         if self.max_concurrent < 1:
             raise ValueError("max_concurrent must be at least 1.")
+        if self.base_url is not None and not self.base_url.rstrip("/").endswith("/v1"):
+            raise ValueError(f"base_url must end in /v1, e.g. http://localhost:8000/v1, got {self.base_url}.")
+        try:
+            parsed = json.loads(self.env_args)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"env_args is not valid JSON ({error.msg}): {self.env_args}") from None
+        if not isinstance(parsed, dict):
+            raise ValueError(f"env_args must be a JSON object, got {self.env_args}.")
 
 
-def main(cfg: Config) -> None:
-    raise SystemExit("eval.py: evaluation is not built yet.")
+def pass_at_k(num_rollouts: int, num_correct: int, k: int) -> float:
+    """Probability that at least one of k rollouts drawn from num_rollouts is correct (Chen et al. 2021)."""
+    if num_rollouts - num_correct < k:
+        return 1.0
+    return 1.0 - math.comb(num_rollouts - num_correct, k) / math.comb(num_rollouts, k)
+
+
+def record(example: int, rollout: int, episode) -> dict:
+    """One results.jsonl line: the whole conversation, the reward, its parts, tokens and any error."""
+    from lib.envs import episode_error, episode_reward
+
+    trace = episode.traces[-1] if episode.traces else None
+    messages = [{"role": m.role, "content": m.content} for m in trace.messages] if trace else []
+    first_reply = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+    return {
+        "example": example,
+        "rollout": rollout,
+        "task_id": episode.task.data.id,
+        "prompt": messages[:first_reply],
+        "completion": messages[first_reply:],
+        "messages": messages,
+        "reward": episode_reward(episode),
+        "rewards": {k: v.score for k, v in trace.rewards.items() if v is not None} if trace else {},
+        "metrics": {k: v for k, v in trace.metrics.items() if v is not None} if trace else {},
+        "num_prompt_tokens": trace.num_input_tokens if trace else 0,
+        "num_completion_tokens": trace.num_output_tokens if trace else 0,
+        "num_turns": trace.num_turns if trace else 0,
+        "stop_condition": trace.stop_condition if trace else None,
+        "error": episode_error(episode),
+    }
+
+
+def summarize(records: list[dict], rollouts_per_example: int) -> dict:
+    rewards = [r["reward"] for r in records]
+    by_example: dict[int, list[dict]] = {}
+    for r in records:
+        by_example.setdefault(r["example"], []).append(r)
+    ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64) if k <= rollouts_per_example} | {rollouts_per_example})
+    correct = [sum(r["reward"] >= 1.0 for r in group) for group in by_example.values()]
+    causes: dict[str, int] = {}
+    for r in records:
+        if r["error"]:
+            causes[r["error"][:300]] = causes.get(r["error"][:300], 0) + 1
+    return {
+        "avg_reward": statistics.fmean(rewards),
+        "std_reward": statistics.pstdev(rewards),
+        "perfect_rate": statistics.fmean(reward >= 1.0 for reward in rewards),
+        "pass_at_k": {
+            str(k): statistics.fmean(pass_at_k(rollouts_per_example, c, k) for c in correct) for k in ks
+        },
+        "avg_completion_tokens": statistics.fmean(r["num_completion_tokens"] for r in records),
+        "num_examples": len(by_example),
+        "num_rollouts": len(records),
+        "num_errors": sum(bool(r["error"]) for r in records),
+        "errors": causes,
+    }
+
+
+async def run_all(vf_env, tasks, ctx, cfg: Config, progress, bar) -> list[list]:
+    """Every rollout of every task, at most cfg.max_concurrent in flight, advancing the progress bar."""
+    from lib.envs import episode_reward, run_group
+
+    semaphore = asyncio.Semaphore(cfg.max_concurrent)
+    rewards = []
+
+    def advance(episode):
+        rewards.append(episode_reward(episode))
+        progress.update(bar, advance=1, reward=f"avg reward {statistics.fmean(rewards):.3f}")
+
+    async with vf_env.serving():
+        groups = [
+            run_group(vf_env, task, ctx, cfg.rollouts_per_example, semaphore, advance) for task in tasks
+        ]
+        return await asyncio.gather(*groups)
+
+
+def main(cfg: Config) -> dict:
+    # ---------------------------------------------------------------- config
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+    from rich.text import Text
+
+    from lib.client import running_server
+    from lib.envs import EnvConfig, load_env, load_tasks, model_context
+    from lib.model import check_model_name
+
+    name = cfg.name or f"{cfg.env}-{Path(cfg.model.name).name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = cfg.output_dir / name
+    print(f"run dir: {run_dir}", flush=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_config(cfg, run_dir / "config.toml")
+    console = Console()
+    api_key = cfg.api_key or os.environ.get("PLAINRL_API_KEY") or os.environ.get("OPENAI_API_KEY")
+
+    # ---------------------------------------------------------------- environment
+    env = EnvConfig(id=cfg.env, args=cfg.env_args, num_examples=cfg.num_examples, seed=cfg.seed)
+    try:
+        if cfg.base_url is None:
+            check_model_name(cfg.model.name)
+        vf_env = load_env(env)
+    except ValueError as error:
+        fail(str(error))
+    tasks = load_tasks(vf_env, env)
+
+    # ---------------------------------------------------------------- server
+    with contextlib.ExitStack() as stack:
+        base_url = cfg.base_url
+        if base_url is None:
+            console.print(f"starting the builtin server for {cfg.model.name} (log: {run_dir / 'server.log'})")
+            serving = running_server(
+                cfg.model.name, engine=cfg.engine, api_key=api_key, log_path=run_dir / "server.log"
+            )
+            try:
+                base_url = stack.enter_context(serving).url
+            except RuntimeError as error:
+                fail(str(error))
+        ctx = model_context(base_url, cfg.model.name, cfg.sampling, api_key)
+
+        # ------------------------------------------------------------ rollouts
+        total = len(tasks) * cfg.rollouts_per_example
+        columns = [TextColumn("[bold]eval"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn()]
+        columns.append(TextColumn("{task.fields[reward]}"))
+        start = time.perf_counter()
+        with Progress(*columns, console=console, transient=False) as progress:
+            bar = progress.add_task("eval", total=total, reward="")
+            groups = asyncio.run(run_all(vf_env, tasks, ctx, cfg, progress, bar))
+        seconds = time.perf_counter() - start
+
+    # ---------------------------------------------------------------- results
+    records = [record(i, j, episode) for i, group in enumerate(groups) for j, episode in enumerate(group)]
+    with open(run_dir / "results.jsonl", "w") as f:
+        for line in records:
+            f.write(json.dumps(line) + "\n")
+    summary = {"env": cfg.env, "model": cfg.model.name, **summarize(records, cfg.rollouts_per_example)}
+    summary["seconds"] = seconds
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+    # ---------------------------------------------------------------- summary
+    for line in records[: cfg.num_samples_shown]:
+        users = [m["content"] for m in line["messages"] if m["role"] == "user"]
+        replies = [m["content"] for m in line["messages"] if m["role"] == "assistant"]
+        prompt, completion = (users[-1] if users else ""), (replies[-1] if replies else "")
+        console.rule(f"example {line['example']} rollout {line['rollout']}  reward {line['reward']:.3f}")
+        console.print(Text(str(prompt)[-300:], style="dim"))
+        console.print(Text(str(completion)[:600] or "(no completion)"))
+    table = Table(title=f"{cfg.env} · {cfg.model.name}", show_header=False)
+    table.add_row(
+        "rollouts", f"{summary['num_examples']} examples x {cfg.rollouts_per_example} in {seconds:.1f} s"
+    )
+    table.add_row("avg reward", f"{summary['avg_reward']:.4f} ± {summary['std_reward']:.4f}")
+    table.add_row("perfect rate", f"{summary['perfect_rate']:.4f}")
+    for k, value in summary["pass_at_k"].items():
+        table.add_row(f"pass@{k}", f"{value:.4f}")
+    table.add_row("avg completion tokens", f"{summary['avg_completion_tokens']:.1f}")
+    table.add_row("errors", str(summary["num_errors"]))
+    console.print(table)
+    for cause, count in list(summary["errors"].items())[:5]:
+        console.print(Text(f"{count} x ", style="red") + Text(cause))
+    print(f"run dir: {run_dir}", flush=True)
+    return summary
 
 
 if __name__ == "__main__":

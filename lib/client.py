@@ -1,0 +1,164 @@
+"""Inference servers from the controller's side: start scripts/serve.py on a free loopback port, wait for /health, stop it."""
+
+import contextlib
+import dataclasses
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass
+class Server:
+    """A serve.py subprocess this process started (and must stop)."""
+
+    process: subprocess.Popen
+    url: str
+    """OpenAI-compatible base URL, e.g. http://127.0.0.1:41234/v1."""
+    log_path: Path
+    """Where the server's stdout and stderr go."""
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM, then SIGKILL if it has not exited after `timeout` seconds."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+class ShardedTransport(httpx.AsyncBaseTransport):
+    """An httpx transport that spreads requests round-robin over several small connection pools.
+
+    httpcore's pool does O(connections) work, part of it O(connections^2), whenever a request starts
+    or ends, which adds up with hundreds of requests in flight; small pools keep it negligible.
+    """
+
+    def __init__(self, num_shards: int = 16):
+        ssl_context = httpx.create_ssl_context()  # loading the CA store costs ~30 ms: once, not per shard
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        self.shards = [httpx.AsyncHTTPTransport(verify=ssl_context, limits=limits) for _ in range(num_shards)]
+        self.turn = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.turn = (self.turn + 1) % len(self.shards)
+        return await self.shards[self.turn].handle_async_request(request)
+
+    async def aclose(self) -> None:
+        for shard in self.shards:
+            await shard.aclose()
+
+
+def die_with_parent() -> None:
+    """In the child: the kernel sends SIGTERM when the parent dies, even by kill -9 (Linux only)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket()) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def headers(api_key: str | None) -> dict:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def is_healthy(base_url: str, api_key: str | None = None, timeout: float = 2.0) -> bool:
+    """Whether GET /health (next to /v1) answers 200."""
+    try:
+        response = httpx.get(f"{root_url(base_url)}/health", headers=headers(api_key), timeout=timeout)
+    except httpx.HTTPError:
+        return False
+    return response.status_code == 200
+
+
+def root_url(base_url: str) -> str:
+    """http://host:port/v1 -> http://host:port (where /health and the admin routes live)."""
+    return base_url.rstrip("/").removesuffix("/v1")
+
+
+def start_server(
+    model: str,
+    port: int | None = None,
+    engine: str = "auto",
+    api_key: str | None = None,
+    weights_root: Path | None = None,
+    log_path: Path | None = None,
+    extra_args: list[str] | None = None,
+    timeout: float = 600.0,
+) -> Server:
+    """Starts `python scripts/serve.py` for `model` on loopback and returns once GET /health is 200.
+
+    `port` None picks a free one. If the server exits, or is not healthy within `timeout` seconds, it
+    is stopped and the end of its log is raised as a RuntimeError.
+    """
+    port = port or free_port()
+    command = [sys.executable, str(ROOT / "scripts" / "serve.py"), "--model.name", model, "--port", str(port)]
+    command += ["--engine", engine, *(["--api-key", api_key] if api_key else [])]
+    command += [*(["--weights-root", str(weights_root)] if weights_root else []), *(extra_args or [])]
+    log_path = Path(log_path or Path("outputs") / "logs" / f"serve-{port}.log")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=die_with_parent,
+        )
+    server = Server(process, f"http://127.0.0.1:{port}/v1", log_path)
+    deadline = time.monotonic() + timeout
+    while not is_healthy(server.url, api_key):
+        exited = process.poll() is not None
+        if exited or time.monotonic() > deadline:
+            server.stop()
+            reason = (
+                f"exited with code {process.returncode}"
+                if exited
+                else f"was not healthy after {timeout:.0f} s"
+            )
+            tail = log_path.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"the inference server {reason}; end of {log_path}:\n{tail}")
+        time.sleep(0.2)
+    return server
+
+
+@contextlib.contextmanager
+def running_server(model: str, **kwargs):
+    """`with running_server(model) as server:` starts a server and always stops it."""
+    server = start_server(model, **kwargs)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def reload_weights(
+    urls: list[str], weights_path: Path, api_key: str | None = None, timeout: float = 600.0
+) -> None:
+    """Makes every server serve `weights_path`: pause (in-flight requests finish), reload, reset cache, resume."""
+    body = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_path)}}
+    with httpx.Client(headers=headers(api_key), timeout=timeout) as http:
+        for url in urls:
+            root = root_url(url)
+            for path, payload in (
+                ("/pause?mode=wait", None),
+                ("/collective_rpc", body),
+                ("/reset_prefix_cache", None),
+                ("/resume", None),
+            ):
+                response = http.post(root + path, json=payload)
+                if response.status_code >= 400:
+                    raise RuntimeError(f"{root}{path} answered {response.status_code}: {response.text[:300]}")

@@ -1,0 +1,109 @@
+"""A test server that always answers correctly: it looks the conversation up among a taskset's reference answers.
+
+Speaks the subset of the inference dialect the environments use (chat completions for the eval
+client, /inference/v1/generate for the train client), on a free loopback port, in a thread.
+"""
+
+import contextlib
+import re
+import socket
+import threading
+import time
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket()) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def oracle_app(conversations: list[list[dict]], tokenizer=None, broken: bool = False) -> FastAPI:
+    """Answers turn k of a conversation with its k-th reference reply, found by the first user message.
+
+    With `broken`, every answer is an HTTP 500 (to test that failures are counted, not raised).
+    """
+    replies = {}
+    for messages in conversations:
+        first_user = next(m["content"] for m in messages if m["role"] == "user")
+        replies[first_user] = [m["content"] for m in messages if m["role"] == "assistant"]
+    app = FastAPI()
+    app.state.requests = []
+
+    def answer(messages: list[dict]) -> str:
+        first_user = next(m["content"] for m in messages if m["role"] == "user")
+        return replies[first_user][sum(m["role"] == "assistant" for m in messages)]
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [{"id": "oracle", "object": "model", "created": 0, "owned_by": "test"}],
+        }
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await request.json()
+        app.state.requests.append(body)
+        if broken:
+            return JSONResponse(
+                {"error": {"message": "oracle is broken", "type": "server_error"}}, status_code=500
+            )
+        content = answer(body["messages"])
+        return {
+            "id": "chatcmpl-oracle",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body["model"],
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}
+            ],
+            "usage": {
+                "prompt_tokens": 1,
+                "completion_tokens": len(content),
+                "total_tokens": 1 + len(content),
+            },
+        }
+
+    @app.post("/inference/v1/generate")
+    async def generate(request: Request):
+        body = await request.json()
+        app.state.requests.append(body)
+        # The char-level template: <|im_start|>role\ncontent<|im_end|>\n per message.
+        text = tokenizer.decode(body["token_ids"])
+        messages = [
+            {"role": role, "content": content}
+            for role, content in re.findall(r"<\|im_start\|>(\w+)\n(.*?)<\|im_end\|>", text, re.DOTALL)
+        ]
+        ids = tokenizer.encode(answer(messages), add_special_tokens=False) + [tokenizer.eos_token_id]
+        logprobs = [{"token": f"token_id:{i}", "logprob": -0.25} for i in ids]
+        return {
+            "choices": [
+                {"index": 0, "token_ids": ids, "logprobs": {"content": logprobs}, "finish_reason": "stop"}
+            ]
+        }
+
+    return app
+
+
+@contextlib.contextmanager
+def serve(app: FastAPI):
+    """Runs `app` on a free loopback port in a thread; yields its /v1 base URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=5)

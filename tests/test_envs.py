@@ -1,0 +1,182 @@
+"""Environments: synthetic data, loading by id, SFT conversations, episodes through both clients, and their tokens."""
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+from oracle import oracle_app, serve
+
+from lib.envs import (
+    EnvConfig,
+    episode_error,
+    episode_reward,
+    hf_rows,
+    load_env,
+    load_tasks,
+    model_context,
+    run_group,
+    sft_conversations,
+    training_samples,
+)
+from lib.sampling import SamplingConfig
+from lib.tiny import CHARACTERS
+
+FIXTURES = Path(__file__).parent / "fixtures"
+SYNTHETIC = '{"source": "synthetic"}'
+THREE_TURNS = '{"source": "synthetic", "min_turns": 3, "max_turns": 3}'
+
+
+@pytest.fixture
+def toy_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(FIXTURES))
+
+
+def env_texts(conversations: list[list[dict]]) -> str:
+    return "".join(m["content"] for c in conversations for m in c)
+
+
+def run(vf_env, task, ctx, num: int):
+    async def go():
+        async with vf_env.serving():
+            return await run_group(vf_env, task, ctx, num)
+
+    return asyncio.run(go())
+
+
+# ---------------------------------------------------------------- data
+
+
+@pytest.mark.parametrize("env_id,args", [("reverse_text", SYNTHETIC), ("alphabet_sort", THREE_TURNS)])
+def test_synthetic_data_is_deterministic_per_seed_and_differs_across_seeds(env_id, args):
+    first = sft_conversations(EnvConfig(id=env_id, args=args, num_examples=20, seed=1))
+    again = sft_conversations(EnvConfig(id=env_id, args=args, num_examples=20, seed=1))
+    other = sft_conversations(EnvConfig(id=env_id, args=args, num_examples=20, seed=2))
+    assert first == again
+    assert first != other
+    assert set(env_texts(first + other)) <= set(CHARACTERS), "every character must be in the tiny vocabulary"
+
+
+def test_synthetic_reverse_text_respects_the_length_range():
+    args = '{"source": "synthetic", "min_chars": 15, "max_chars": 25}'
+    conversations = sft_conversations(EnvConfig(id="reverse_text", args=args, num_examples=200))
+    lengths = [len(c[1]["content"]) for c in conversations]
+    assert min(lengths) >= 15 and max(lengths) <= 25
+    assert all(
+        c[2]["content"] == f"<reversed_text>\n{c[1]['content'][::-1]}\n</reversed_text>"
+        for c in conversations
+    )
+    assert len({c[1]["content"] for c in conversations}) > 190
+
+
+def test_synthetic_alphabet_sort_turns_names_and_order():
+    args = '{"source": "synthetic", "min_turns": 1, "max_turns": 3, "min_names_per_turn": 2, "max_names_per_turn": 4}'
+    vf_env = load_env(EnvConfig(id="alphabet_sort", args=args, num_examples=100))
+    datas = [task.data for task in load_tasks(vf_env, EnvConfig(num_examples=100))]
+    assert {len(d.turns) for d in datas} == {1, 2, 3}
+    assert all(2 <= len(names) <= 4 for d in datas for names in d.turns)
+    assert {d.by_first for d in datas} == {True, False}
+    for d in datas:
+        names = [n for turn in d.turns for n in turn]
+        assert len({n[: next(i for i in range(1, len(n)) if n[i].isupper())] for n in names}) == len(names)
+        assert ("FIRST" if d.by_first else "LAST") in d.user_turns[0]
+        assert len(d.user_turns) == len(d.expected) == len(d.turns)
+
+
+def test_alphabet_sort_sft_conversation_alternates_user_and_tagged_answers():
+    conversation = sft_conversations(EnvConfig(id="alphabet_sort", args=THREE_TURNS, num_examples=1))[0]
+    assert [m["role"] for m in conversation] == ["user", "assistant"] * 3
+    assert conversation[1]["content"].startswith("<alphabetical_sorted>\n")
+    assert conversation[3]["content"].startswith("<combined_alphabetical_sorted>\n")
+    assert "// new name!" in conversation[5]["content"]
+
+
+def test_hf_source_falls_back_fast_when_offline(monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    began = time.perf_counter()
+    assert hf_rows("reverse_text", "PrimeIntellect/Reverse-Text-RL", "train", "auto") is None
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HF_ENDPOINT", "https://127.0.0.1:9")  # nothing listens there: refused at once
+    assert hf_rows("reverse_text", "PrimeIntellect/Reverse-Text-RL", "train", "auto") is None
+    assert time.perf_counter() - began < 2
+    assert "synthetic data" in capsys.readouterr().err
+
+
+def test_bad_taskset_arguments_fail_in_one_sentence():
+    with pytest.raises(ValueError, match="min_turns <= max_turns"):
+        load_env(EnvConfig(id="alphabet_sort", args='{"min_turns": 4, "max_turns": 2}'))
+    with pytest.raises(ValueError, match="bad arguments for environment reverse_text"):
+        load_env(EnvConfig(id="reverse_text", args='{"no_such_argument": 1}'))
+    with pytest.raises(ValueError, match="not an installed verifiers taskset"):
+        load_env(EnvConfig(id="no_such_taskset_here"))
+
+
+def test_third_party_taskset_loads_by_id(toy_on_path):
+    vf_env = load_env(EnvConfig(id="toy_taskset", args='{"num_examples": 3}'))
+    tasks = load_tasks(vf_env, EnvConfig(id="toy_taskset"))
+    assert [task.data.word for task in tasks] == ["hello", "bonjour", "hola"]
+    assert len(sft_conversations(EnvConfig(id="toy_taskset", num_examples=2))) == 2
+
+
+# ---------------------------------------------------------------- episodes
+
+
+@pytest.mark.parametrize("env_id,args", [("reverse_text", SYNTHETIC), ("alphabet_sort", THREE_TURNS)])
+def test_perfect_answers_score_one_through_both_clients(env_id, args, tiny_dir):
+    from transformers import AutoTokenizer
+
+    env = EnvConfig(id=env_id, args=args, num_examples=2)
+    vf_env = load_env(env)
+    tasks = load_tasks(vf_env, env)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    with serve(oracle_app(sft_conversations(env), tokenizer)) as url:
+        for train in (False, True):
+            ctx = model_context(
+                url, "oracle", SamplingConfig(max_tokens=512), train=train, tokenizer=tiny_dir
+            )
+            episodes = run(vf_env, tasks[1], ctx, 2)
+            assert [episode_error(e) for e in episodes] == [None, None]
+            assert [episode_reward(e) for e in episodes] == [1.0, 1.0]
+            samples, error = training_samples(episodes[0])
+            assert error is None and len(samples) == (1 if train else 0)  # the eval client carries no tokens
+
+
+def test_training_samples_hold_the_exact_tokens_with_user_turns_masked(tiny_dir):
+    from transformers import AutoTokenizer
+
+    env = EnvConfig(id="alphabet_sort", args=THREE_TURNS, num_examples=1)
+    vf_env = load_env(env)
+    conversation = sft_conversations(env)[0]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    with serve(oracle_app([conversation], tokenizer)) as url:
+        ctx = model_context(url, "oracle", SamplingConfig(max_tokens=512), train=True, tokenizer=tiny_dir)
+        (episode,) = run(vf_env, load_tasks(vf_env, env)[0], ctx, 1)
+    (sample,), error = training_samples(episode)
+    assert error is None and sample.reward == 1.0
+    assert len(sample.token_ids) == len(sample.loss_mask) == len(sample.logprobs)
+    # The whole episode is the chat template over the conversation: nothing re-tokenized differently.
+    rendered = tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=True)["input_ids"]
+    assert sample.token_ids == list(rendered)[: len(sample.token_ids)]
+    # Trained tokens: exactly each assistant reply plus its end-of-turn token; user turns are masked.
+    trained = tokenizer.decode([t for t, m in zip(sample.token_ids, sample.loss_mask) if m])
+    replies = [m["content"] for m in conversation if m["role"] == "assistant"]
+    assert trained == "".join(reply + "<|im_end|>" for reply in replies)
+    assert all((lp != 0.0) == m for lp, m in zip(sample.logprobs, sample.loss_mask))
+
+
+def test_an_exception_in_a_reward_is_an_error_not_a_crash(toy_on_path, tiny_dir):
+    env = EnvConfig(id="toy_taskset", args='{"fail_in_reward": true}')
+    vf_env = load_env(env)
+    task = load_tasks(vf_env, env)[0]
+    with serve(oracle_app(sft_conversations(env))) as url:
+        episodes = run(vf_env, task, model_context(url, "oracle", SamplingConfig()), 2)
+    assert all("toy reward exploded" in episode_error(e) for e in episodes)
+    assert training_samples(episodes[0]) == ([], episode_error(episodes[0]))
+
+
+def test_a_failing_server_is_an_error_not_a_crash():
+    env = EnvConfig(id="reverse_text", args=SYNTHETIC, num_examples=1)
+    vf_env = load_env(env)
+    with serve(oracle_app([], broken=True)) as url:
+        episodes = run(vf_env, load_tasks(vf_env, env)[0], model_context(url, "oracle", SamplingConfig()), 2)
+    assert all("500" in episode_error(e) for e in episodes)

@@ -1,0 +1,102 @@
+"""scripts/eval.py: against a server that always answers right, with failing environments, and against the builtin server."""
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import load_script
+from oracle import oracle_app, serve
+
+from lib.config import parse
+from lib.envs import EnvConfig, sft_conversations
+
+FIXTURES = Path(__file__).parent / "fixtures"
+SYNTHETIC = '{"source": "synthetic"}'
+THREE_TURNS = '{"source": "synthetic", "min_turns": 3, "max_turns": 3}'
+
+
+@pytest.fixture(scope="module")
+def eval_script():
+    return load_script("eval")
+
+
+def evaluate(eval_script, argv: list[str], tmp_path: Path, capsys) -> tuple[dict, list[dict], list[str]]:
+    summary = eval_script.main(
+        parse(eval_script.Config, [*argv, "--output-dir", str(tmp_path), "--name", "run"])
+    )
+    run_dir = tmp_path / "run"
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == lines[-1] == f"run dir: {run_dir}"
+    assert json.loads((run_dir / "summary.json").read_text()) == summary
+    records = [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines()]
+    return summary, records, lines
+
+
+def test_pass_at_k():
+    pass_at_k = load_script("eval").pass_at_k
+    assert pass_at_k(4, 0, 1) == 0.0
+    assert pass_at_k(4, 1, 1) == 0.25
+    assert pass_at_k(4, 1, 4) == 1.0
+    assert pass_at_k(4, 2, 2) == pytest.approx(1 - 1 / 6)
+
+
+@pytest.mark.parametrize("env_id,args", [("reverse_text", SYNTHETIC), ("alphabet_sort", THREE_TURNS)])
+def test_eval_scores_one_against_a_server_that_always_answers_right(
+    eval_script, env_id, args, tmp_path, capsys
+):
+    conversations = sft_conversations(EnvConfig(id=env_id, args=args, num_examples=4))
+    with serve(oracle_app(conversations)) as url:
+        argv = f"{env_id} -m oracle -b {url} -n 4 -r 2 --max-tokens 64".split() + ["--env-args", args]
+        summary, records, _ = evaluate(eval_script, argv, tmp_path, capsys)
+    assert summary["avg_reward"] == 1.0 and summary["std_reward"] == 0.0 and summary["perfect_rate"] == 1.0
+    assert summary["pass_at_k"] == {"1": 1.0, "2": 1.0}
+    assert summary["num_rollouts"] == len(records) == 8 and summary["num_errors"] == 0
+    record = records[0]
+    assert record["messages"] == record["prompt"] + record["completion"]
+    assert [m for m in record["messages"] if m["role"] != "system"] == [
+        m for m in conversations[0] if m["role"] != "system"
+    ]
+    assert record["reward"] == 1.0 and record["num_completion_tokens"] > 0 and "metrics" in record
+
+
+def test_eval_counts_environment_errors_and_finishes(eval_script, tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(FIXTURES))
+    args = '{"fail_in_reward": true}'
+    with serve(oracle_app(sft_conversations(EnvConfig(id="toy_taskset")))) as url:
+        argv = ["toy_taskset", "-m", "oracle", "-b", url, "-n", "2", "-r", "2", "--env-args", args]
+        summary, records, lines = evaluate(eval_script, argv, tmp_path, capsys)
+    assert summary["num_errors"] == summary["num_rollouts"] == 4 and summary["avg_reward"] == 0.0
+    assert all("toy reward exploded" in record["error"] for record in records)
+    assert any("toy reward exploded" in line for line in lines)
+
+
+def test_eval_rejects_bad_input_in_one_sentence(eval_script):
+    with pytest.raises(SystemExit):
+        parse(eval_script.Config, ["reverse_text", "-b", "http://localhost:8000", "-n", "2"])
+    with pytest.raises(SystemExit):
+        parse(eval_script.Config, ["reverse_text", "--env-args", "[1, 2]"])
+
+
+def test_eval_against_the_builtin_server_on_the_tiny_model(eval_script, tiny_dir, tmp_path, capsys):
+    """Without -b, eval.py starts scripts/serve.py itself (and stops it); then both environments against one server."""
+    from lib.client import running_server
+
+    argv = f"reverse_text -m {tiny_dir} -n 2 -r 2 --max-tokens 8".split() + ["--env-args", SYNTHETIC]
+    summary, records, _ = evaluate(eval_script, argv, tmp_path / "own", capsys)
+    assert summary["num_rollouts"] == 4 and summary["num_errors"] == 0
+    assert all(record["completion"] and record["num_completion_tokens"] > 0 for record in records)
+
+    with running_server(str(tiny_dir), engine="torch", log_path=tmp_path / "server.log") as server:
+        argv = f"alphabet_sort -m {tiny_dir} -b {server.url} -n 1 -r 2 --max-tokens 8".split()
+        argv += ["--env-args", '{"source": "synthetic", "min_turns": 2, "max_turns": 2}']
+        summary, records, _ = evaluate(eval_script, argv, tmp_path / "attached", capsys)
+    assert summary["num_rollouts"] == 2 and summary["num_errors"] == 0
+    assert all(sum(m["role"] == "assistant" for m in record["messages"]) == 2 for record in records)
+    assert 0.0 <= summary["avg_reward"] <= 1.0
+
+
+def test_start_server_reports_a_server_that_dies(tmp_path):
+    from lib.client import start_server
+
+    with pytest.raises(RuntimeError, match="exited with code"):
+        start_server(str(tmp_path / "no_model_here"), engine="torch", log_path=tmp_path / "server.log")
