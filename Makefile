@@ -1,15 +1,54 @@
-# plainrl: the executable README. `make help` lists the targets.
+# plainrl: the executable README. `make help` lists the targets; every variable below can be set
+# on the command line, e.g. `make rl ENV=reverse_text INFERENCE_URL=http://gpu1:8000/v1`.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-TINY_DIR ?= outputs/models/tiny
-ENV ?= reverse_text
-PORT ?= 8000
-ENGINE ?= auto
 
-.PHONY: help setup test lint lock tiny chat demo clean
+ENV ?= reverse_text#          configs/$(ENV)/{sft,rl,eval}.toml; ENV=tiny is the CPU preset
+TINY_DIR ?= outputs/models/tiny
+MODEL ?=#                     --model.name override (hub id or HF directory)
+ARGS ?=#                      extra flags passed to the script, e.g. ARGS="--steps 5"
+OUTPUT_DIR ?=#                run directory override (multi-node: on a shared file system)
+# inference
+PORT ?= 8000
+HOST ?=
+ENGINE ?= auto
+INFERENCE_URL ?=#             attach rl.py to running servers (space-separated base URLs)
+API_KEY ?=#                   bearer key, exported to the scripts as PLAINRL_API_KEY
+TP ?=
+DP ?=
+DP_LOCAL ?=
+DP_ADDRESS ?=
+DP_RPC_PORT ?=
+DP_START_RANK ?=
+HEADLESS ?=
+# training launch: one process, or torchrun when NPROC > 1 or NNODES > 1
+NPROC ?= 1
+NNODES ?= 1
+NODE_RANK ?= 0
+RDZV_ENDPOINT ?= localhost:29500
+# eval
+BASE_URL ?=
+N ?= 20
+R ?= 3
+
+ifeq ($(NPROC)$(NNODES),11)
+LAUNCH := $(PY)
+else
+LAUNCH := $(VENV)/bin/torchrun --nnodes $(NNODES) --node-rank $(NODE_RANK) --nproc-per-node $(NPROC) --rdzv-endpoint $(RDZV_ENDPOINT)
+endif
+EVAL_ENV := $(if $(filter tiny,$(ENV)),reverse_text,$(ENV))#  the tiny presets run reverse_text
+KEY := $(if $(API_KEY),PLAINRL_API_KEY=$(API_KEY) )
+MODEL_FLAG := $(if $(MODEL),--model.name $(MODEL))
+OUT_FLAG := $(if $(OUTPUT_DIR),--output-dir $(OUTPUT_DIR))
+VLLM_FLAGS := $(if $(TP),--vllm.tensor-parallel-size $(TP)) $(if $(DP),--vllm.data-parallel-size $(DP)) \
+	$(if $(DP_LOCAL),--vllm.data-parallel-size-local $(DP_LOCAL)) $(if $(DP_ADDRESS),--vllm.data-parallel-address $(DP_ADDRESS)) \
+	$(if $(DP_RPC_PORT),--vllm.data-parallel-rpc-port $(DP_RPC_PORT)) \
+	$(if $(DP_START_RANK),--vllm.data-parallel-start-rank $(DP_START_RANK)) $(if $(HEADLESS),--vllm.headless)
+
+.PHONY: help setup test lint lock tiny demo sft rl eval serve tensorboard clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/'
@@ -31,11 +70,29 @@ lint: setup  ## ruff check + format check
 lock: setup  ## regenerate requirements.lock and requirements-vllm.lock from pyproject.toml
 	UV=$(VENV)/bin/uv bash ci/lock.sh
 
-tiny: setup  ## write the tiny CPU model to $(TINY_DIR)
+tiny: setup  ## write the tiny CPU model to TINY_DIR
 	$(PY) scripts/tiny.py --out $(TINY_DIR)
 
-demo: tiny  ## the CPU demo
-	$(PY) scripts/tiny.py --out $(TINY_DIR) --chat "Hello"
+demo: setup  ## CPU demo: tiny model, SFT, eval, RL, eval, reward plot (about 10 minutes on 2 cores)
+	$(PY) scripts/demo.py
+
+sft: setup  ## supervised warm-up: make sft ENV=reverse_text|tiny [NPROC=8] [MODEL=...]
+	$(LAUNCH) scripts/sft.py @ configs/$(ENV)/sft.toml $(MODEL_FLAG) $(OUT_FLAG) $(ARGS)
+
+rl: setup  ## RL: make rl ENV=reverse_text|alphabet_sort|tiny [INFERENCE_URL=...] [NPROC=...]
+	$(KEY)$(LAUNCH) scripts/rl.py @ configs/$(ENV)/rl.toml $(MODEL_FLAG) $(OUT_FLAG) \
+		$(if $(INFERENCE_URL),--inference.urls $(INFERENCE_URL)) $(ARGS)
+
+eval: setup  ## evaluate: make eval ENV=reverse_text MODEL=... [BASE_URL=http://host:8000/v1] [N=20 R=3]
+	$(KEY)$(PY) scripts/eval.py $(EVAL_ENV) @ configs/$(ENV)/eval.toml $(MODEL_FLAG) -n $(N) -r $(R) \
+		$(if $(BASE_URL),-b $(BASE_URL)) $(ARGS)
+
+serve: setup  ## serve: make serve MODEL=DIR [PORT=8000] [ENGINE=auto|torch|vllm] [TP= DP= ... HEADLESS=1]
+	$(KEY)$(PY) scripts/serve.py --model.name $(or $(MODEL),$(TINY_DIR)) --port $(PORT) --engine $(ENGINE) \
+		$(if $(HOST),--host $(HOST)) $(VLLM_FLAGS) $(ARGS)
+
+tensorboard: setup  ## tensorboard over every run in outputs/
+	$(VENV)/bin/tensorboard --logdir outputs
 
 clean:  ## remove outputs and caches (keeps .venv)
 	rm -rf outputs .pytest_cache .ruff_cache

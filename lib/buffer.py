@@ -24,6 +24,8 @@ class Rollout:
     """Optimizer steps behind the weights that sampled it (0 = the initial weights)."""
     env: str = ""
     """Environment name, for per-environment reward metrics."""
+    completion: str = ""
+    """The assistant turns as text, for logs and rollout records."""
     advantage: float = 0.0
     """Set by the buffer: reward minus the group mean (divided by the group std when normalised)."""
 

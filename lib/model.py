@@ -88,3 +88,52 @@ class LoraConfig:
             raise ValueError("lora.rank must be 0 (off) or positive.")
         if self.rank and not self.target_modules:
             raise ValueError("lora.target_modules must name at least one module when lora.rank > 0.")
+
+
+def load_trainable(
+    model_config: ModelConfig,
+    lora: LoraConfig,
+    device: str,
+    world_size: int,
+    packing: bool,
+    activation_checkpointing: bool = False,
+):
+    """The model ready to train: float32 master weights, LoRA if asked, packed-row attention, FSDP2 over ranks.
+
+    Returns (model, save_dtype, autocast): the weights are saved in the dtype the model is meant to run
+    in (bf16 on CUDA by default) and `autocast()` runs the forward in bf16 on CUDA, a no-op on CPU.
+    """
+    import contextlib
+
+    import torch
+
+    from lib import dist
+    from lib.data import use_packed_attention
+
+    on_gpu = device.startswith("cuda")
+    train_config = dataclasses.replace(
+        model_config, dtype="float32" if model_config.dtype == "auto" else model_config.dtype
+    )
+    model = load_model(train_config, device)
+    if packing and model_config.attn_implementation == "sdpa":
+        use_packed_attention(model)  # flash_attention_2 reads packed rows natively; eager gets a dense mask
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora.rank:
+        import peft
+
+        adapters = peft.LoraConfig(
+            r=lora.rank,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=list(lora.target_modules),
+        )
+        model = peft.get_peft_model(model, adapters)
+    model.train()
+    if world_size > 1:
+        dist.shard(model, bf16=on_gpu)
+
+    def autocast():
+        return torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else contextlib.nullcontext()
+
+    return model, resolve_dtype(model_config, device.split(":")[0]), autocast

@@ -12,9 +12,10 @@ Usage:
 """
 
 import dataclasses
+import os
 from pathlib import Path
 
-from lib.config import parse
+from lib.config import fail, parse
 from lib.envs import EnvConfig
 from lib.loss import LossConfig
 from lib.model import LoraConfig, ModelConfig
@@ -61,7 +62,9 @@ class Config:
     rollouts_per_example: int = 16
     """Group size for the group-relative advantage."""
     micro_batch_size: int = 8
-    """Samples per forward/backward on one rank."""
+    """Packed rows per forward/backward on one rank."""
+    seq_len: int = 4096
+    """Tokens per packed training row (the longest episode must fit)."""
     max_async_level: int = 1
     """Rollouts may come from a policy at most this many steps old (0 = fully on-policy)."""
     normalize_advantage: bool = False
@@ -71,7 +74,9 @@ class Config:
     checkpoint_every: int = 10
     """Resumable checkpoint every N steps (and at the end)."""
     keep_weights: int = 3
-    """weights/step_N directories kept."""
+    """weights/step_N directories kept (at least 2: the servers may still read the previous one)."""
+    keep_checkpoints: int = 2
+    """Resumable checkpoints kept."""
     sample_every: int = 5
     """Log sample completions to tensorboard every N steps."""
     resume: bool = False
@@ -88,11 +93,241 @@ class Config:
             raise ValueError("rollouts_per_example must be at least 2: a group of one has no advantage.")
         if self.max_async_level < 0:
             raise ValueError("max_async_level must be >= 0.")
+        if self.keep_weights < 2 or self.keep_checkpoints < 1 or self.checkpoint_every < 1:
+            raise ValueError("keep_weights must be >= 2, keep_checkpoints and checkpoint_every >= 1.")
 
 
-def main(cfg: Config) -> None:
-    raise SystemExit("rl.py: the RL loop is not built yet.")
+def main(cfg: Config) -> dict:
+    """Trains and returns {"run_dir", "weights" (the last weights/step_N), "history" (metrics per step)}."""
+    import json
+    import time
+
+    import torch
+
+    from lib import client, dist, envs
+    from lib.buffer import pack
+    from lib.checkpoint import latest, load_checkpoint, save_checkpoint, save_weights
+    from lib.config import write_config
+    from lib.log import RunLog
+    from lib.loss import entropy, policy_loss, token_logp, token_share
+    from lib.model import check_model_name, load_tokenizer, load_trainable, resolve_device
+    from lib.optim import build_optimizer
+    from lib.rollouts import Producer
+
+    # ------------------------------------------------------------ config and run directory
+    rank, _, world_size = dist.world()
+    is_main = rank == 0
+    say = print if is_main else (lambda *args: None)
+    check_model_name(cfg.model.name)
+    run_dir = cfg.output_dir
+    resume_from = latest(run_dir / "checkpoints")
+    if resume_from and not cfg.resume:
+        raise ValueError(
+            f"{run_dir} already holds checkpoints: pass --resume to continue, or another --output-dir."
+        )
+    say(f"run dir: {run_dir}")
+    if is_main:
+        write_config(cfg, run_dir / "config.toml")
+
+    # ------------------------------------------------------------ dist and model
+    device = dist.init(resolve_device(cfg.model))
+    torch.manual_seed(cfg.seed)
+    model, save_dtype, autocast = load_trainable(cfg.model, cfg.lora, device, world_size, packing=True)
+    tokenizer = load_tokenizer(cfg.model.name)
+    optimizer, scheduler = build_optimizer(model.parameters(), cfg.optim, cfg.steps)
+    params = [p for p in model.parameters() if p.requires_grad]
+    # Inference logprobs are of the tempered distribution (DESIGN §4.1); greedy sampling reports temperature 1.
+    temperature = cfg.sampling.temperature or 1.0
+
+    start = 0
+    if cfg.resume and resume_from:
+        start = load_checkpoint(resume_from, model, optimizer, scheduler)["step"]
+        say(f"resumed from {resume_from} (step {start})")
+
+    def publish(version: int) -> float:
+        """Writes weights/step_N and makes every server load them; returns the seconds it took."""
+        began = time.perf_counter()
+        path = save_weights(run_dir, version, model, tokenizer, save_dtype, cfg.keep_weights)
+        if is_main:
+            client.reload_weights(urls, path.resolve(), api_key)
+        return time.perf_counter() - began
+
+    # ------------------------------------------------------------ inference and rollouts (rank 0)
+    producer, server, urls, api_key = None, None, [], None
+    if is_main:
+        api_key = cfg.inference.api_key or os.environ.get("PLAINRL_API_KEY")
+        urls = list(cfg.inference.urls)
+        if not urls:
+            server = client.start_server(
+                cfg.model.name,
+                cfg.inference.port,
+                cfg.inference.engine,
+                api_key,
+                weights_root=run_dir.resolve(),
+                log_path=run_dir / "server.log",
+            )
+            urls = [server.url]
+        env = envs.load_env(cfg.env)
+        tasks = envs.load_tasks(env, cfg.env)
+        contexts = [
+            envs.model_context(url, cfg.model.name, cfg.sampling, api_key, train=True) for url in urls
+        ]
+        say(f"env {cfg.env.id}: {len(tasks)} examples; {len(urls)} server(s): {' '.join(urls)}")
+    if start:
+        publish(start)  # the servers start from model.name: bring them to the resumed weights
+    if is_main:
+        producer = Producer(
+            env,
+            tasks,
+            contexts,
+            cfg.rollouts_per_example,
+            cfg.examples_per_step,
+            cfg.max_async_level,
+            cfg.inference.max_concurrent,
+            cfg.normalize_advantage,
+            cfg.env.id,
+            start_version=start,
+            start_index=start * cfg.examples_per_step,
+        )
+        producer.start()
+
+    # ------------------------------------------------------------ loop
+    log = RunLog(run_dir, cfg.steps, start, is_main, print_every=1)
+    history, weights, flat_steps = [], None, 0
+    try:
+        for step in range(start, cfg.steps):
+            began = time.perf_counter()
+            # Rank 0 takes the step's groups and splits the packed micro-batches over the ranks.
+            shares = [None] * world_size
+            if is_main:
+                batch = producer.take(step)
+                micro_batches = pack(
+                    batch.rollouts,
+                    cfg.seq_len,
+                    cfg.micro_batch_size,
+                    tokenizer.pad_token_id,
+                    num_micro_batches_multiple=world_size,
+                )
+                num_loss_tokens = sum(mb.num_loss_tokens() for mb in micro_batches)
+                shares = [(micro_batches[r::world_size], num_loss_tokens) for r in range(world_size)]
+            waited = time.perf_counter() - began
+            mine, num_loss_tokens = dist.scatter(shares)
+
+            # -------------------------------------------------------- train
+            trained_at = time.perf_counter()
+            sums = {"loss": 0.0, "entropy": 0.0}
+            if num_loss_tokens:
+                for mb in mine:
+                    mb = mb.to(device)
+                    with autocast():
+                        logits = model(
+                            input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False
+                        ).logits
+                    logp = token_logp(logits, mb.input_ids, temperature)  # (R, T)
+                    loss, metrics = policy_loss(
+                        logp, mb.inference_logp, mb.advantages, mb.loss_mask, num_loss_tokens, cfg.loss
+                    )
+                    # FSDP averages gradients over ranks; the loss is already this rank's share of the mean.
+                    (loss * world_size).backward()
+                    sums["loss"] += loss.item()
+                    sums["entropy"] += token_share(
+                        entropy(logits, temperature), mb.loss_mask, num_loss_tokens
+                    ).item()
+                    for name, value in metrics.items():
+                        sums[name] = sums.get(name, 0.0) + value.item()
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm or float("inf"))
+                grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+                sums["grad_norm"] = (
+                    grad_norm.item() / world_size
+                )  # every rank has the full norm; summed below
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()  # parameters without a gradient (a step with no signal) are left as they are
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            totals = {name: dist.all_sum(value, device) for name, value in sorted(sums.items())}
+            trained = time.perf_counter() - trained_at
+
+            # -------------------------------------------------------- weight sync
+            done = step + 1
+            synced = publish(done)
+            weights = run_dir / "weights" / f"step_{done}"
+            if is_main:
+                producer.set_version(done)
+
+            # -------------------------------------------------------- log
+            if is_main:
+                rewards = [r.reward for group in batch.groups for r in group]
+                mean = sum(rewards) / len(rewards)
+                num_tokens = sum(len(r.token_ids) for r in batch.rollouts)
+                metrics = {
+                    "reward/mean": mean,
+                    "reward/std": (sum((x - mean) ** 2 for x in rewards) / len(rewards)) ** 0.5,
+                    f"reward/{cfg.env.id}": mean,
+                    **{f"train/{k}": v for k, v in totals.items()},
+                    "train/lr": lr,
+                    "rollouts/flat_groups": batch.num_flat_groups,
+                    "rollouts/stale_dropped": batch.num_stale_rollouts,
+                    "rollouts/staleness_mean": batch.staleness_mean,
+                    "rollouts/staleness_max": batch.staleness_max,
+                    "rollouts/errors": producer.num_errors,
+                    "perf/tokens_per_second": num_tokens / max(trained, 1e-9),
+                    "time/wait_rollouts": waited,
+                    "time/train": trained,
+                    "time/sync_weights": synced,
+                    "time/step": time.perf_counter() - began,
+                }
+                history.append(metrics)
+                log.scalars(done, metrics)
+                for message in producer.pop_errors():
+                    log.print(f"rollout error: {message}")
+                if batch.num_flat_groups == len(batch.groups):
+                    flat_steps += 1
+                    log.print(
+                        f"WARNING step {done}: every group is flat (all rewards equal): no learning signal. "
+                        "Warm the model up with SFT, raise the temperature or change the task difficulty."
+                    )
+                if done % cfg.sample_every == 0 or done == cfg.steps:
+                    sample = max(batch.groups[0], key=lambda r: r.reward)
+                    log.text(done, "samples", f"reward {sample.reward:.3f}\n\n```\n{sample.completion}\n```")
+                records = run_dir / "rollouts" / f"step_{done}.jsonl"
+                records.parent.mkdir(parents=True, exist_ok=True)
+                with records.open("w") as out:
+                    for group in batch.groups:
+                        for r in group:
+                            out.write(
+                                json.dumps(
+                                    {
+                                        "reward": r.reward,
+                                        "advantage": r.advantage,
+                                        "policy_version": r.policy_version,
+                                        "completion": r.completion,
+                                    }
+                                )
+                            )
+                            out.write("\n")
+
+            # -------------------------------------------------------- checkpoint
+            if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+                progress = {"world_size": world_size}
+                save_checkpoint(run_dir, done, model, optimizer, scheduler, progress, cfg.keep_checkpoints)
+    finally:
+        log.close()
+        if producer is not None:
+            producer.stop()
+        if server is not None:
+            server.stop()
+    if history and flat_steps == len(history):
+        say(
+            "WARNING: no learning signal in any step: every group was flat. Warm the model up with SFT first."
+        )
+    say(f"run dir: {run_dir}")
+    dist.close()
+    return {"run_dir": run_dir, "weights": weights, "history": history}
 
 
 if __name__ == "__main__":
-    main(parse(Config, description=__doc__))
+    config = parse(Config, description=__doc__)
+    try:
+        main(config)
+    except ValueError as error:  # bad input found after parsing (files, servers, data): one sentence
+        fail(str(error).rstrip(".") + ".")

@@ -1,0 +1,154 @@
+"""The rollout producer: a background thread whose asyncio loop keeps groups of episodes in flight."""
+
+import asyncio
+import itertools
+import threading
+
+from lib import envs
+from lib.buffer import Buffer, Rollout, StepBatch
+
+
+class Producer:
+    """Samples groups of `rollouts_per_example` episodes per example, tags each rollout with the policy
+    version that sampled it, and hands finished groups to a Buffer.
+
+    It never runs further ahead than the trainer allows: groups started before version v is published
+    serve steps up to v + max_async_level, so at most (version + max_async_level + 1) * examples_per_step
+    groups are ever started. With max_async_level = 0 it waits for each step's weights (on-policy).
+    The version a group is tagged with is the one published when it started; a multi-turn episode that
+    straddles a reload is tagged with the older one (its staleness is over-, never under-stated).
+    """
+
+    def __init__(
+        self,
+        env,
+        tasks: list,
+        contexts: list,
+        rollouts_per_example: int,
+        examples_per_step: int,
+        max_async_level: int,
+        max_concurrent: int,
+        normalize_advantage: bool,
+        env_name: str,
+        start_version: int = 0,
+        start_index: int = 0,
+    ):
+        assert tasks and contexts, "the producer needs examples and at least one server"
+        self.env, self.tasks, self.contexts = env, tasks, contexts
+        self.group_size, self.examples_per_step = rollouts_per_example, examples_per_step
+        self.max_async_level, self.env_name = max_async_level, env_name
+        self.version, self.index = start_version, start_index
+        self.started = start_version * examples_per_step  # groups started, counted in step units
+        self.num_errors = 0
+        self.errors: list[str] = []
+        self.loop = asyncio.new_event_loop()
+        self.buffer = Buffer(examples_per_step, max_async_level, normalize_advantage)
+        self.semaphore = asyncio.Semaphore(max_concurrent)
+        self.wakeup: asyncio.Event | None = None
+        self.failure: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
+
+    # ---------------------------------------------------------------- called from the training loop
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def take(self, step: int) -> StepBatch:
+        """Blocks until the step's groups are ready (re-raising a failure of the producer)."""
+        future = asyncio.run_coroutine_threadsafe(self.buffer.take(step), self.loop)
+        while True:
+            if self.failure is not None:
+                raise RuntimeError("the rollout producer failed") from self.failure
+            try:
+                return future.result(timeout=0.5)
+            except TimeoutError:
+                continue
+
+    def pop_errors(self) -> list[str]:
+        """Error messages since the last call (at most 20 are kept between calls)."""
+        errors, self.errors = self.errors, []
+        return errors
+
+    def set_version(self, version: int) -> None:
+        """New weights are live on every server: later groups are tagged with `version`."""
+
+        def update():
+            self.version = version
+            self.wakeup.set()
+
+        self.loop.call_soon_threadsafe(update)
+
+    def stop(self) -> None:
+        if self.thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=10)
+
+    # ---------------------------------------------------------------- the background loop
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.wakeup = asyncio.Event()
+        self.loop.create_task(self._produce())
+        self.loop.run_forever()
+
+    async def _produce(self) -> None:
+        try:
+            async with self.env.serving():
+                servers = itertools.cycle(self.contexts)
+                in_flight: set[asyncio.Task] = set()
+                while True:
+                    limit = (self.version + self.max_async_level + 1) * self.examples_per_step
+                    if self.started >= limit:
+                        self.wakeup.clear()
+                        await self.wakeup.wait()
+                        continue
+                    task = self.tasks[self.index % len(self.tasks)]
+                    self.index += 1
+                    self.started += 1
+                    job = asyncio.create_task(self._group(task, next(servers), self.version))
+                    in_flight.add(job)
+                    job.add_done_callback(in_flight.discard)
+                    await asyncio.sleep(0)
+        except BaseException as error:  # surfaced to the trainer by take()
+            self.failure = error
+            raise
+
+    async def _group(self, task, context, version: int) -> None:
+        async def one():
+            async with self.semaphore:
+                return await envs.run_episode(self.env, task, context)
+
+        try:
+            episodes = await asyncio.gather(*(one() for _ in range(self.group_size)))
+        except Exception as error:  # a failing group must not stop the run; it is counted and logged
+            self._error(f"{type(error).__name__}: {error}")
+            self.started -= 1  # sample a replacement so the step still gets its groups
+            self.wakeup.set()
+            return
+        group = []
+        for episode in episodes:
+            samples, error = envs.training_samples(episode)
+            if error:
+                self._error(error)
+            group += [
+                Rollout(
+                    s.token_ids,
+                    s.loss_mask,
+                    s.logprobs,
+                    s.reward,
+                    version,
+                    self.env_name,
+                    completion=s.completion,
+                )
+                for s in samples
+            ]
+        if len(group) < 2:
+            self.started -= 1
+            self.wakeup.set()
+            return
+        self.buffer.put(group)
+
+    def _error(self, message: str) -> None:
+        self.num_errors += 1
+        if len(self.errors) < 20:
+            self.errors.append(message)

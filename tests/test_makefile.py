@@ -1,0 +1,132 @@
+"""The launch targets: `make -n` prints exactly the commands the README promises, and their flags parse."""
+
+import shlex
+import subprocess
+
+import pytest
+from conftest import ROOT, load_script
+
+from lib.config import parse
+
+
+def dry_run(target: str, **variables) -> list[str]:
+    """The last command `make -n` would run for `target`, as argv (the setup step is skipped)."""
+    args = ["make", "-n", "-o", ".venv/.installed", target, *(f"{k}={v}" for k, v in variables.items())]
+    output = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return shlex.split(output.replace("\\\n", " ").strip().splitlines()[-1])
+
+
+def script_args(argv: list[str]) -> tuple[str, list[str]]:
+    index = next(i for i, arg in enumerate(argv) if arg.startswith("scripts/"))
+    return argv[index].removeprefix("scripts/").removesuffix(".py"), argv[index + 1 :]
+
+
+CASES = {
+    "sft tiny": (
+        ("sft", {"ENV": "tiny"}),
+        ".venv/bin/python scripts/sft.py @ configs/tiny/sft.toml",
+    ),
+    "sft 8 GPUs": (
+        ("sft", {"ENV": "reverse_text", "NPROC": "8"}),
+        ".venv/bin/torchrun --nnodes 1 --node-rank 0 --nproc-per-node 8 --rdzv-endpoint localhost:29500 "
+        "scripts/sft.py @ configs/reverse_text/sft.toml",
+    ),
+    "rl single node": (
+        ("rl", {"ENV": "reverse_text"}),
+        ".venv/bin/python scripts/rl.py @ configs/reverse_text/rl.toml",
+    ),
+    "rl attach": (
+        (
+            "rl",
+            {
+                "ENV": "alphabet_sort",
+                "INFERENCE_URL": "http://gpu1:8000/v1",
+                "API_KEY": "k1",
+                "OUTPUT_DIR": "/shared/run1",
+            },
+        ),
+        "PLAINRL_API_KEY=k1 .venv/bin/python scripts/rl.py @ configs/alphabet_sort/rl.toml "
+        "--output-dir /shared/run1 --inference.urls http://gpu1:8000/v1",
+    ),
+    "rl multi-node trainer": (
+        (
+            "rl",
+            {
+                "ENV": "reverse_text",
+                "NNODES": "2",
+                "NODE_RANK": "1",
+                "NPROC": "8",
+                "RDZV_ENDPOINT": "10.0.0.1:29500",
+                "INFERENCE_URL": "http://10.0.0.3:8000/v1 http://10.0.0.4:8000/v1",
+            },
+        ),
+        ".venv/bin/torchrun --nnodes 2 --node-rank 1 --nproc-per-node 8 --rdzv-endpoint 10.0.0.1:29500 "
+        "scripts/rl.py @ configs/reverse_text/rl.toml --inference.urls http://10.0.0.3:8000/v1 http://10.0.0.4:8000/v1",
+    ),
+    "serve cpu": (
+        ("serve", {"MODEL": "outputs/models/tiny", "PORT": "8001", "ENGINE": "torch"}),
+        ".venv/bin/python scripts/serve.py --model.name outputs/models/tiny --port 8001 --engine torch",
+    ),
+    "serve data parallel head": (
+        (
+            "serve",
+            {
+                "MODEL": "Qwen/Qwen3-4B",
+                "ENGINE": "vllm",
+                "HOST": "0.0.0.0",
+                "DP": "16",
+                "DP_LOCAL": "8",
+                "DP_ADDRESS": "10.0.0.1",
+                "DP_RPC_PORT": "13345",
+                "TP": "1",
+                "API_KEY": "k",
+            },
+        ),
+        "PLAINRL_API_KEY=k .venv/bin/python scripts/serve.py --model.name Qwen/Qwen3-4B --port 8000 --engine vllm "
+        "--host 0.0.0.0 --vllm.tensor-parallel-size 1 --vllm.data-parallel-size 16 --vllm.data-parallel-size-local 8 "
+        "--vllm.data-parallel-address 10.0.0.1 --vllm.data-parallel-rpc-port 13345",
+    ),
+    "serve data parallel headless": (
+        (
+            "serve",
+            {
+                "MODEL": "Qwen/Qwen3-4B",
+                "ENGINE": "vllm",
+                "DP": "16",
+                "DP_LOCAL": "8",
+                "DP_ADDRESS": "10.0.0.1",
+                "DP_RPC_PORT": "13345",
+                "DP_START_RANK": "8",
+                "HEADLESS": "1",
+            },
+        ),
+        ".venv/bin/python scripts/serve.py --model.name Qwen/Qwen3-4B --port 8000 --engine vllm "
+        "--vllm.data-parallel-size 16 --vllm.data-parallel-size-local 8 --vllm.data-parallel-address 10.0.0.1 "
+        "--vllm.data-parallel-rpc-port 13345 --vllm.data-parallel-start-rank 8 --vllm.headless",
+    ),
+    "eval attach": (
+        (
+            "eval",
+            {
+                "ENV": "reverse_text",
+                "MODEL": "Qwen/Qwen3-0.6B",
+                "BASE_URL": "http://localhost:8000/v1",
+                "N": "100",
+                "R": "4",
+            },
+        ),
+        ".venv/bin/python scripts/eval.py reverse_text @ configs/reverse_text/eval.toml --model.name Qwen/Qwen3-0.6B "
+        "-n 100 -r 4 -b http://localhost:8000/v1",
+    ),
+    "tensorboard": (("tensorboard", {}), ".venv/bin/tensorboard --logdir outputs"),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_launch_target_prints_the_exact_command(name):
+    (target, variables), expected = CASES[name]
+    argv = dry_run(target, **variables)
+    assert argv == shlex.split(expected)
+    if target in ("sft", "rl", "eval", "serve"):
+        script, args = script_args(argv)
+        parse(load_script(script).Config, args)  # every flag the target passes exists and is valid

@@ -1,0 +1,151 @@
+"""rl.py end to end on the tiny model: on-policy ratio, weight sync, staleness, kill -9 and resume."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+from conftest import ROOT, load_script
+
+from lib import client
+from lib.config import parse
+from lib.model import load_tokenizer
+
+rl = load_script("rl")
+FIXTURES = ROOT / "tests" / "fixtures"
+sys.path.insert(0, str(FIXTURES))  # letter_taskset: a reward that varies even for the untrained tiny model
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, tmp_path_factory):
+    root = tmp_path_factory.getbasetemp()
+    with client.running_server(
+        str(tiny_dir), engine="torch", weights_root=root, log_path=root / "serve.log"
+    ) as s:
+        yield s
+
+
+def rl_config(model, out, url, *extra):
+    return parse(
+        rl.Config,
+        [
+            "@",
+            str(ROOT / "configs/tiny/rl.toml"),
+            "--model.name",
+            str(model),
+            "--output-dir",
+            str(out),
+            "--inference.urls",
+            url,
+            "--steps",
+            "2",
+            "--env.id",
+            "letter_taskset",
+            "--examples-per-step",
+            "4",
+            "--rollouts-per-example",
+            "4",
+            "--sampling.max-tokens",
+            "40",
+            *extra,
+        ],
+    )
+
+
+def test_on_policy_ratio_is_one_and_the_server_gets_each_step_weights(tiny_dir, server, tmp_path):
+    result = rl.main(rl_config(tiny_dir, tmp_path / "run", server.url, "--max-async-level", "0"))
+    trained = [m for m in result["history"] if m["train/loss"] != 0.0]
+    assert trained, "no step had a learning signal"
+    for metrics in trained:  # sampled and trained by the same weights: only numerics separate them
+        assert abs(metrics["train/importance_ratio"] - 1.0) < 1e-3, metrics
+        assert metrics["rollouts/staleness_max"] == 0
+    # The server now answers with weights/step_2: its logprobs match a forward pass of those weights.
+    assert result["weights"].name == "step_2" and result["weights"].is_dir()
+    tokenizer = load_tokenizer(str(result["weights"]))
+    prompt = tokenizer("Reverse: hello")["input_ids"]
+    body = {
+        "model": str(tiny_dir),
+        "prompt": prompt,
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "logprobs": 0,
+        "seed": 3,
+        "return_token_ids": True,
+    }
+    choice = httpx.post(f"{server.url}/completions", json=body, timeout=60).json()["choices"][0]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(result["weights"]).eval()
+    ids = torch.tensor([prompt + choice["token_ids"]])
+    with torch.no_grad():
+        logp = model(ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+    expected = logp[len(prompt) - 1 :].tolist()
+    assert max(abs(a - b) for a, b in zip(choice["logprobs"]["token_logprobs"], expected)) < 1e-4
+
+
+def test_async_level_two_runs_and_logs_staleness(tiny_dir, server, tmp_path):
+    result = rl.main(
+        rl_config(tiny_dir, tmp_path / "run", server.url, "--max-async-level", "2", "--steps", "3")
+    )
+    assert len(result["history"]) == 3
+    for metrics in result["history"]:
+        assert 0 <= metrics["rollouts/staleness_max"] <= 2 and "time/wait_rollouts" in metrics
+    assert (tmp_path / "run" / "rollouts" / "step_3.jsonl").is_file()
+    assert (tmp_path / "run" / "tb").is_dir() and (tmp_path / "run" / "config.toml").is_file()
+
+
+def test_kill_9_then_resume_continues_from_the_last_checkpoint(tiny_dir, tmp_path):
+    out = tmp_path / "run"
+    command = [
+        sys.executable,
+        str(ROOT / "scripts/rl.py"),
+        "@",
+        str(ROOT / "configs/tiny/rl.toml"),
+        "--model.name",
+        str(tiny_dir),
+        "--output-dir",
+        str(out),
+        "--steps",
+        "5",
+        "--checkpoint-every",
+        "1",
+        "--examples-per-step",
+        "2",
+        "--rollouts-per-example",
+        "4",
+        "--sampling.max-tokens",
+        "32",
+        "--inference.engine",
+        "torch",
+        "--env.id",
+        "letter_taskset",
+    ]
+    # Its own process group, so kill -9 takes the server it started along (as a killed job would).
+    env = {**os.environ, "PYTHONPATH": str(FIXTURES)}
+    process = subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
+    deadline = time.monotonic() + 240
+    while not (out / "checkpoints" / "step_2").is_dir():
+        assert process.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    killed_at = max(int(p.name[5:]) for p in (out / "checkpoints").glob("step_*"))
+    resumed = subprocess.run(
+        command + ["--resume"], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"(step {killed_at})" in resumed.stdout
+    assert (out / "weights" / "step_5").is_dir() and (out / "checkpoints" / "step_5").is_dir()
+    leftovers = [p.name for p in out.rglob(".tmp-*")]
+    assert leftovers == [], leftovers
