@@ -2,6 +2,7 @@
 
 import contextlib
 import dataclasses
+import os
 import signal
 import socket
 import subprocess
@@ -98,10 +99,12 @@ def start_server(
     log_path: Path | None = None,
     extra_args: list[str] | None = None,
     timeout: float = 600.0,
+    threads: int | None = None,
 ) -> Server:
     """Starts `python scripts/serve.py` for `model` on loopback and returns once GET /health is 200.
 
-    `port` None picks a free one. If the server exits, or is not healthy within `timeout` seconds, it
+    `threads` caps the server's CPU threads (OMP_NUM_THREADS): a trainer and a server sharing a few
+    cores, each with a thread per core, slow each other down many times over. `port` None picks a free one. If the server exits, or is not healthy within `timeout` seconds, it
     is stopped and the end of its log is raised as a RuntimeError.
     """
     port = port or free_port()
@@ -117,6 +120,7 @@ def start_server(
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             preexec_fn=die_with_parent,
+            env={**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})},
         )
     server = Server(process, f"http://127.0.0.1:{port}/v1", log_path)
     deadline = time.monotonic() + timeout

@@ -31,8 +31,8 @@ class InferenceConfig:
     """Bearer key of the servers (default: $PLAINRL_API_KEY if set)."""
     engine: str = "auto"
     """Engine of the server rl.py starts: auto, torch or vllm."""
-    port: int = 8000
-    """Port of the server rl.py starts."""
+    port: int = 0
+    """Port of the server rl.py starts (0 = a free one)."""
     gpu_memory_utilization: float = 0.3
     """vLLM's share of the GPU when it shares one with the trainer."""
     max_concurrent: int = 64
@@ -158,13 +158,18 @@ def main(cfg: Config) -> dict:
         api_key = cfg.inference.api_key or os.environ.get("PLAINRL_API_KEY")
         urls = list(cfg.inference.urls)
         if not urls:
+            server_threads = None
+            if device == "cpu":  # trainer and server share the cores: split them rather than oversubscribe
+                server_threads = max(1, (os.cpu_count() or 2) // 2)
+                torch.set_num_threads(max(1, (os.cpu_count() or 2) - server_threads))
             server = client.start_server(
                 cfg.model.name,
-                cfg.inference.port,
+                cfg.inference.port or None,
                 cfg.inference.engine,
                 api_key,
                 weights_root=run_dir.resolve(),
                 log_path=run_dir / "server.log",
+                threads=server_threads,
             )
             urls = [server.url]
         env = envs.load_env(cfg.env)
