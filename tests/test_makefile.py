@@ -1,5 +1,6 @@
 """The launch targets: `make -n` prints exactly the commands the README promises, and their flags parse."""
 
+import os
 import shlex
 import subprocess
 
@@ -11,8 +12,11 @@ from lib.config import parse
 
 def dry_run(target: str, **variables) -> list[str]:
     """The last command `make -n` would run for `target`, as argv (the setup step is skipped)."""
-    args = ["make", "-n", "-o", ".venv/.installed", target, *(f"{k}={v}" for k, v in variables.items())]
-    output = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    args = ["make", "-n", "--no-print-directory", "-o", ".venv/.installed", target]
+    args += [f"{k}={v}" for k, v in variables.items()]
+    # Under `make test` the outer make's variables would leak in (and add "Entering directory" lines).
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES")}
+    output = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, check=True, env=env).stdout
     return shlex.split(output.replace("\\\n", " ").strip().splitlines()[-1])
 
 
