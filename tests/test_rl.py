@@ -149,3 +149,33 @@ def test_kill_9_then_resume_continues_from_the_last_checkpoint(tiny_dir, tmp_pat
     assert (out / "weights" / "step_5").is_dir() and (out / "checkpoints" / "step_5").is_dir()
     leftovers = [p.name for p in out.rglob(".tmp-*")]
     assert leftovers == [], leftovers
+
+
+def test_three_turn_alphabet_sort_runs_end_to_end_and_warns_when_flat(tiny_dir, server, tmp_path, capsys):
+    args = '{"min_turns": 3, "max_turns": 3, "max_names_per_turn": 2}'
+    cfg = rl_config(
+        tiny_dir,
+        tmp_path / "run",
+        server.url,
+        "--env.id",
+        "alphabet_sort",
+        "--env.args",
+        args,
+        "--steps",
+        "1",
+        "--examples-per-step",
+        "2",
+        "--rollouts-per-example",
+        "2",
+        "--sampling.max-tokens",
+        "16",
+    )
+    result = rl.main(cfg)
+    (metrics,) = result["history"]
+    assert metrics["rollouts/errors"] == 0
+    # The untrained model never writes the answer tags: every group is flat, and the run says so.
+    assert metrics["rollouts/flat_groups"] == 2
+    assert "no learning signal" in capsys.readouterr().out
+    # A turn cut at max_tokens (no end token) makes the next turn's render fork the token graph: such an
+    # episode yields one training sample per branch, so there are at least as many records as episodes.
+    assert len((tmp_path / "run" / "rollouts" / "step_1.jsonl").read_text().splitlines()) >= 4
