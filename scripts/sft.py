@@ -95,10 +95,9 @@ def main(cfg: Config) -> dict:
         load_conversations,
         make_rows,
         tokenize_all,
-        use_packed_attention,
     )
     from lib.log import RunLog
-    from lib.model import check_model_name, load_model, load_tokenizer, resolve_device, resolve_dtype
+    from lib.model import check_model_name, load_tokenizer, load_trainable, resolve_device
     from lib.optim import build_optimizer
 
     # ------------------------------------------------------------ config and run directory
@@ -136,30 +135,11 @@ def main(cfg: Config) -> dict:
 
     # ------------------------------------------------------------ dist and model
     device = dist.init(resolve_device(cfg.model))
-    on_gpu = device.startswith("cuda")
-    # Training keeps float32 master weights (bf16 comes from autocast); the saved weights use the
-    # dtype the model is meant to run in (ModelConfig's: bf16 on CUDA).
-    train_dtype = "float32" if cfg.model.dtype == "auto" else cfg.model.dtype
-    save_dtype = resolve_dtype(cfg.model, device.split(":")[0])
-    model = load_model(dataclasses.replace(cfg.model, dtype=train_dtype), device)
-    if cfg.packing and cfg.model.attn_implementation == "sdpa":
-        use_packed_attention(model)  # flash_attention_2 reads packed rows natively; eager gets a dense mask
-    if cfg.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    torch.manual_seed(cfg.seed)
-    if cfg.lora.rank:
-        import peft
-
-        lora = peft.LoraConfig(
-            r=cfg.lora.rank,
-            lora_alpha=cfg.lora.alpha,
-            lora_dropout=cfg.lora.dropout,
-            target_modules=list(cfg.lora.target_modules),
-        )
-        model = peft.get_peft_model(model, lora)
-    model.train()
-    if world_size > 1:
-        dist.shard(model, bf16=on_gpu)
+    torch.manual_seed(cfg.seed)  # LoRA's initialisation is random
+    # float32 master weights (bf16 comes from autocast); saved in the dtype the model runs in (bf16 on CUDA).
+    model, save_dtype, autocast = load_trainable(
+        cfg.model, cfg.lora, device, world_size, cfg.packing, cfg.activation_checkpointing
+    )
     optimizer, scheduler = build_optimizer(model.parameters(), cfg.optim, cfg.steps)
     params = [p for p in model.parameters() if p.requires_grad]
     num_trained = sum(p.numel() for p in params)  # DTensors count their full size
@@ -193,7 +173,7 @@ def main(cfg: Config) -> dict:
                 mine[first : first + cfg.micro_batch_size], cfg.seq_len, cfg.packing, tokenizer.pad_token_id
             )
             input_ids, position_ids, targets = (t.to(device) for t in rows)  # (R, L) each
-            with torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=on_gpu):
+            with autocast():
                 output = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
             logits = output.logits  # (R, L, V)
             trained = targets != IGNORE
