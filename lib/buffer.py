@@ -53,7 +53,8 @@ def is_flat(rewards: list[float], tolerance: float = 1e-9) -> bool:
 @dataclasses.dataclass
 class StepBatch:
     groups: list[list[Rollout]]
-    """Every fresh group taken for the step, flat ones included (the reward metrics need them all)."""
+    """Every fresh group taken for the step, flat ones included (the reward metrics need them all);
+    rollouts of non-flat groups carry their advantages."""
     rollouts: list[Rollout]
     """What to train on: the rollouts of the non-flat groups, with their advantages set."""
     num_flat_groups: int
@@ -114,13 +115,14 @@ class Buffer:
         wait_seconds = time.perf_counter() - start
 
         rollouts, num_flat = [], 0
-        for group in groups:
+        for index, group in enumerate(groups):
             rewards = [r.reward for r in group]
             if is_flat(rewards):
                 num_flat += 1
                 continue
             advantages = group_advantages(rewards, self.normalize_advantage)
-            rollouts += [dataclasses.replace(r, advantage=a) for r, a in zip(group, advantages)]
+            groups[index] = [dataclasses.replace(r, advantage=a) for r, a in zip(group, advantages)]
+            rollouts += groups[index]
         staleness = [step - r.policy_version for group in groups for r in group]
         return StepBatch(
             groups=groups,

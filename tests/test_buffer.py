@@ -41,6 +41,8 @@ def test_take_drops_flat_and_stale_groups():
     assert len(batch.groups) == 3  # the flat group counts toward examples_per_step
     assert batch.num_flat_groups == 1 and batch.num_stale_rollouts == 2
     assert [r.advantage for r in batch.rollouts] == pytest.approx([0.5, -0.5, -0.5, 0.0, 0.5])
+    # The groups (what rl.py writes to rollouts/step_N.jsonl) carry the same advantages.
+    assert [r.advantage for g in batch.groups for r in g] == pytest.approx([0, 0, 0.5, -0.5, -0.5, 0, 0.5])
     assert batch.staleness_max == 1  # a version-2 rollout at step 3
     assert batch.staleness_mean == pytest.approx(3 / 7)
 

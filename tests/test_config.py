@@ -22,6 +22,13 @@ def test_every_preset_parses_into_its_config(path):
     assert isinstance(cfg, config_class)
 
 
+@pytest.mark.parametrize("preset", ["tiny", "reverse_text"])
+def test_rl_preset_starts_from_the_last_weights_of_its_sft_preset(preset):
+    sft = parse(load_script("sft").Config, ["@", str(ROOT / "configs" / preset / "sft.toml")])
+    rl = parse(load_script("rl").Config, ["@", str(ROOT / "configs" / preset / "rl.toml")])
+    assert Path(rl.model.name) == sft.output_dir / "weights" / f"step_{sft.steps}"
+
+
 def test_precedence_default_then_toml_then_later_toml_then_cli(tmp_path):
     config_class = load_script("rl").Config
     default = parse(config_class, [])

@@ -2,6 +2,7 @@
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -30,30 +31,32 @@ def server(tiny_dir, tmp_path_factory):
 
 
 def rl_config(model, out, url, *extra):
-    return parse(
-        rl.Config,
-        [
-            "@",
-            str(ROOT / "configs/tiny/rl.toml"),
-            "--model.name",
-            str(model),
-            "--output-dir",
-            str(out),
-            "--inference.urls",
-            url,
-            "--steps",
-            "2",
-            "--env.id",
-            "letter_taskset",
-            "--examples-per-step",
-            "4",
-            "--rollouts-per-example",
-            "4",
-            "--sampling.max-tokens",
-            "40",
-            *extra,
-        ],
-    )
+    return parse(rl.Config, rl_config_args(model, out, url, *extra))
+
+
+def rl_config_args(model, out, url, *extra) -> list[str]:
+    """Flags of a short tiny-model run on letter_taskset against the server at `url`."""
+    return [
+        "@",
+        str(ROOT / "configs/tiny/rl.toml"),
+        "--model.name",
+        str(model),
+        "--output-dir",
+        str(out),
+        "--inference.urls",
+        url,
+        "--steps",
+        "2",
+        "--env.id",
+        "letter_taskset",
+        "--examples-per-step",
+        "4",
+        "--rollouts-per-example",
+        "4",
+        "--sampling.max-tokens",
+        "40",
+        *extra,
+    ]
 
 
 def test_on_policy_ratio_is_one_and_the_server_gets_each_step_weights(tiny_dir, server, tmp_path):
@@ -179,3 +182,40 @@ def test_three_turn_alphabet_sort_runs_end_to_end_and_warns_when_flat(tiny_dir, 
     # A turn cut at max_tokens (no end token) makes the next turn's render fork the token graph: such an
     # episode yields one training sample per branch, so there are at least as many records as episodes.
     assert len((tmp_path / "run" / "rollouts" / "step_1.jsonl").read_text().splitlines()) >= 4
+
+
+def test_two_cpu_processes_match_one_on_the_same_batches(tiny_dir, server, tmp_path, monkeypatch):
+    from replay_rl import ReplayProducer
+    from safetensors.torch import load_file
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import lib.rollouts
+
+    flags = ["--steps", "2", "--micro-batch-size", "1", "--seq-len", "64", "--max-async-level", "0"]
+    monkeypatch.setattr(lib.rollouts, "Producer", ReplayProducer)
+    one = rl.main(rl_config(tiny_dir, tmp_path / "one", server.url, *flags))
+    with socket.socket() as probe:  # a free port: other test runs may share this machine
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port]
+    args = rl_config_args(tiny_dir, tmp_path / "two", server.url, *flags)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{FIXTURES}"}
+    result = subprocess.run(
+        [*torchrun, str(FIXTURES / "replay_rl.py"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    events = EventAccumulator(str(tmp_path / "two" / "tb")).Reload()
+    two_losses = [event.value for event in events.Scalars("train/loss")]
+    one_losses = [m["train/loss"] for m in one["history"]]
+    assert all(loss != 0.0 for loss in one_losses)
+    assert two_losses == pytest.approx(one_losses, rel=1e-4, abs=1e-6)
+    a = load_file(tmp_path / "one" / "weights" / "step_2" / "model.safetensors")
+    b = load_file(tmp_path / "two" / "weights" / "step_2" / "model.safetensors")
+    start = load_file(tiny_dir / "model.safetensors")
+    assert any(not torch.equal(a[k], start[k]) for k in a)  # the steps did move the weights
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)
