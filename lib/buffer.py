@@ -187,8 +187,12 @@ def pack(
     rows_per_micro_batch: int = 1,
     pad_token_id: int = 0,
     num_micro_batches_multiple: int = 1,
+    packing: bool = True,
 ) -> list[MicroBatch]:
     """Packs samples into rows of at most seq_len tokens, then rows into micro-batches.
+
+    With packing off every sample gets a row of its own (longest first, so micro-batches pad little);
+    the model then needs no packed attention.
 
     Each micro-batch is padded to its longest row, not to seq_len. Empty micro-batches (one padding
     token, no loss) are appended until their number is a multiple of num_micro_batches_multiple, so
@@ -202,7 +206,11 @@ def pack(
         )
         # token_logp gives the first token of a packed sample a value predicted from the previous sample.
         assert not s.loss_mask[0], "a rollout cannot start with a sampled token (it has no context)"
-    rows = pack_rows([len(s.token_ids) for s in samples], seq_len)
+    lengths = [len(s.token_ids) for s in samples]
+    if packing:
+        rows = pack_rows(lengths, seq_len)
+    else:
+        rows = [[i] for i in sorted(range(len(samples)), key=lambda i: -lengths[i])]
 
     micro_batches = []
     for first in range(0, len(rows), rows_per_micro_batch):

@@ -65,6 +65,9 @@ class Config:
     """Packed rows per forward/backward on one rank."""
     seq_len: int = 4096
     """Tokens per packed training row (the longest episode must fit)."""
+    packing: bool = True
+    """Pack several rollouts per row of seq_len; off = one padded row per rollout, which is faster for
+    short rollouts of similar length on CPU (one attention call per micro-batch, not one per rollout)."""
     max_async_level: int = 1
     """Rollouts may come from a policy at most this many steps old (0 = fully on-policy)."""
     normalize_advantage: bool = False
@@ -132,7 +135,7 @@ def main(cfg: Config) -> dict:
     # ------------------------------------------------------------ dist and model
     device = dist.init(resolve_device(cfg.model))
     torch.manual_seed(cfg.seed)
-    model, save_dtype, autocast = load_trainable(cfg.model, cfg.lora, device, world_size, packing=True)
+    model, save_dtype, autocast = load_trainable(cfg.model, cfg.lora, device, world_size, cfg.packing)
     tokenizer = load_tokenizer(cfg.model.name)
     optimizer, scheduler = build_optimizer(model.parameters(), cfg.optim, cfg.steps)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -212,6 +215,7 @@ def main(cfg: Config) -> dict:
                     cfg.micro_batch_size,
                     tokenizer.pad_token_id,
                     num_micro_batches_multiple=world_size,
+                    packing=cfg.packing,
                 )
                 num_loss_tokens = sum(mb.num_loss_tokens() for mb in micro_batches)
                 shares = [(micro_batches[r::world_size], num_loss_tokens) for r in range(world_size)]

@@ -88,7 +88,8 @@ def test_take_waits_for_the_producer_and_says_how_long():
     assert 0.08 < batch.wait_seconds < 2
 
 
-def test_pack_places_every_token_once_with_restarting_positions():
+@pytest.mark.parametrize("packing", [True, False])
+def test_pack_places_every_token_once_with_restarting_positions(packing):
     rng = random.Random(0)
     samples = []
     for i in range(23):
@@ -105,9 +106,19 @@ def test_pack_places_every_token_once_with_restarting_positions():
             )
         )
     micro_batches = pack(
-        samples, seq_len=64, rows_per_micro_batch=3, pad_token_id=-1, num_micro_batches_multiple=2
+        samples,
+        seq_len=64,
+        rows_per_micro_batch=3,
+        pad_token_id=-1,
+        num_micro_batches_multiple=2,
+        packing=packing,
     )
     assert len(micro_batches) % 2 == 0
+    if not packing:  # a row per sample, longest first
+        firsts = [int(ids[0]) for mb in micro_batches for ids in mb.input_ids if int(ids[0]) != -1]
+        assert sorted(firsts) == [1000 * (i + 1) for i in range(23)]
+        widths = [len(samples[f // 1000 - 1].token_ids) for f in firsts]
+        assert widths == sorted(widths, reverse=True)
 
     seen = {}
     for mb in micro_batches:

@@ -1,0 +1,175 @@
+"""plainrl vs TRL's GRPOTrainer on CPU, in one run: seconds per optimizer step and rollouts per second.
+
+Both train the same model on the same chats (bench_trl_grpo.make_prompts, in the same order) with the
+same reward, 8 prompts x 8 completions per step, at most 64 completion tokens, temperature 1, AdamW at
+lr 1e-4. TRL runs bench_trl_grpo.py in its own throw-away virtualenv (--trl-python; plainrl does not
+depend on TRL); plainrl runs scripts/rl.py with the tiny CPU preset, as a user would: it starts its builtin server, splits
+the cores between server and trainer, and keeps up to max_async_level = 1 step of rollouts ahead.
+
+Both figures are intervals between consecutive optimizer-step ends after --warmup steps, so they
+include generation, scoring, the update and (plainrl) the weight push to the server. TRL's is read
+from its trainer callback, plainrl's from the wall time of each step's tensorboard event. The two
+runs go one after the other, never side by side: on 2 cores a neighbour would distort both.
+
+Give a model whose groups carry signal (an SFT-warmed tiny model): on the random tiny model every
+group is flat, and plainrl skips the backward of flat groups while TRL does not.
+
+Usage:
+    python benchmarks/bench_rl_vs_trl.py --model outputs/tiny/sft/weights/step_2000
+    python benchmarks/bench_rl_vs_trl.py --model M --trl-python /tmp/trlvenv/bin/python --steps 20
+(bench_trl_grpo.py's docstring shows how to make the TRL virtualenv.)
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+
+
+def step_intervals(wall_times: list[float], warmup: int) -> list[float]:
+    """Seconds between consecutive step ends, from the end of warm-up step `warmup` on."""
+    timed = wall_times[warmup - 1 :] if warmup else wall_times
+    return [b - a for a, b in zip(timed, timed[1:])]
+
+
+def summary(name: str, intervals: list[float], rollouts_per_step: int, **extra) -> dict:
+    mean, median = statistics.fmean(intervals), statistics.median(intervals)
+    return {
+        "framework": name,
+        "steps_timed": len(intervals),
+        "seconds_per_step": round(mean, 4),
+        "seconds_per_step_median": round(median, 4),
+        "rollouts_per_second": round(rollouts_per_step / mean, 2),
+        "rollouts_per_second_median": round(rollouts_per_step / median, 2),
+        **extra,
+    }
+
+
+def run_trl(args) -> dict:
+    command = [
+        args.trl_python,
+        str(HERE / "bench_trl_grpo.py"),
+        args.model,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--max-tokens",
+        str(args.max_tokens),
+        "--lr",
+        str(args.lr),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        sys.exit(f"the TRL run failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def run_plainrl(args, out: Path) -> dict:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    steps = args.warmup + args.steps
+    command = [
+        sys.executable,
+        str(ROOT / "scripts/rl.py"),
+        "@",
+        str(ROOT / "configs/tiny/rl.toml"),
+        "--model.name",
+        args.model,
+        "--env.id",
+        "trl_bench_taskset",
+        "--env.num-examples",
+        str(steps * 8),
+        "--steps",
+        str(steps),
+        "--examples-per-step",
+        "8",
+        "--rollouts-per-example",
+        "8",
+        "--micro-batch-size",
+        "64",
+        "--sampling.temperature",
+        "1.0",
+        "--sampling.max-tokens",
+        str(args.max_tokens),
+        "--optim.lr",
+        str(args.lr),
+        "--max-async-level",
+        str(args.max_async_level),
+        "--inference.engine",
+        "torch",
+        "--checkpoint-every",
+        str(steps),
+        "--output-dir",
+        str(out),
+    ]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        sys.exit(f"the plainrl run failed:\n{result.stderr[-3000:]}")
+    events = EventAccumulator(str(out / "tb")).Reload()
+    ends = [event.wall_time for event in events.Scalars("time/step")]
+    rewards = [event.value for event in events.Scalars("reward/mean")]
+    splits = {
+        name: round(statistics.fmean(e.value for e in events.Scalars(f"time/{name}")[args.warmup :]), 4)
+        for name in ("wait_rollouts", "train", "sync_weights")
+    }
+    return summary(
+        "plainrl",
+        step_intervals(ends, args.warmup),
+        64,
+        max_async_level=args.max_async_level,
+        mean_seconds=splits,
+        reward_mean=round(statistics.fmean(rewards), 4),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", required=True, help="HF directory of the model both sides train.")
+    parser.add_argument(
+        "--trl-python", default="/tmp/trlvenv/bin/python", help="Python of the TRL virtualenv."
+    )
+    parser.add_argument("--steps", type=int, default=20, help="Timed optimizer steps on each side.")
+    parser.add_argument("--warmup", type=int, default=2, help="Untimed steps before them.")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=64,
+        help="Most completion tokens (an answer of a 4-word text with its tags is ~55).",
+    )
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--max-async-level", type=int, default=1, help="plainrl's (TRL is on-policy).")
+    args = parser.parse_args()
+    if not Path(args.trl_python).is_file():
+        sys.exit(f"no TRL virtualenv at {args.trl_python}: make one as bench_trl_grpo.py's docstring shows.")
+
+    trl = run_trl(args)
+    print(json.dumps(trl), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        plainrl = run_plainrl(args, Path(tmp) / "run")
+    print(json.dumps(plainrl), flush=True)
+    ratio = trl["seconds_per_step"] / plainrl["seconds_per_step"]
+    ratio_median = trl["seconds_per_step_median"] / plainrl["seconds_per_step_median"]
+    print(
+        json.dumps(
+            {
+                "plainrl_speedup": round(ratio, 2),
+                "plainrl_speedup_median": round(ratio_median, 2),
+                "target": 2.0,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
