@@ -15,7 +15,9 @@ def dry_run(target: str, **variables) -> list[str]:
     args = ["make", "-n", "--no-print-directory", "-o", ".venv/.installed", target]
     args += [f"{k}={v}" for k, v in variables.items()]
     # Under `make test` the outer make's variables would leak in (and add "Entering directory" lines).
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES")
+    }
     output = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, check=True, env=env).stdout
     return shlex.split(output.replace("\\\n", " ").strip().splitlines()[-1])
 
