@@ -24,11 +24,11 @@ from lib.config import parse
 class Config:
     out: Path = Path("outputs/demo")
     """Run directory: model/, sft/, rl/, eval/ and reward_curve.png go here."""
-    sft_steps: int = 250
+    sft_steps: int = 600
     """SFT steps on synthetic reverse_text (short on purpose: RL needs room to improve)."""
-    rl_steps: int = 60
+    rl_steps: int = 200
     """RL steps."""
-    eval_examples: int = 64
+    eval_examples: int = 200
     """Examples per evaluation (sampled at the RL temperature, one rollout each)."""
 
     def __post_init__(self):
