@@ -1,5 +1,6 @@
 """Model loading: Hugging Face causal LMs by hub id or local directory, with device and dtype picked sensibly."""
 
+import contextlib
 import dataclasses
 from pathlib import Path
 from typing import Annotated, Literal
@@ -49,10 +50,21 @@ def check_model_name(name: str) -> None:
         raise ValueError(f"model.name {name} is not a Hugging Face model directory{hint}.")
 
 
+@contextlib.contextmanager
+def loading(name: str):
+    """Turns transformers' OSError (hub unreachable, no such repo, files missing) into one sentence."""
+    try:
+        yield
+    except OSError as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"could not load {name}: {reason.rstrip('.')}") from None
+
+
 def load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(name)
+    with loading(name):
+        tokenizer = AutoTokenizer.from_pretrained(name)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -64,9 +76,10 @@ def load_model(config: ModelConfig, device: str | None = None):
 
     check_model_name(config.name)
     device = device or resolve_device(config)
-    model = AutoModelForCausalLM.from_pretrained(
-        config.name, dtype=resolve_dtype(config, device), attn_implementation=config.attn_implementation
-    )
+    with loading(config.name):
+        model = AutoModelForCausalLM.from_pretrained(
+            config.name, dtype=resolve_dtype(config, device), attn_implementation=config.attn_implementation
+        )
     return model.to(device).eval()
 
 

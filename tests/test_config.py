@@ -1,5 +1,6 @@
 """Config parsing: presets, precedence, the resolved config, and one-sentence errors for bad input."""
 
+import os
 import subprocess
 import sys
 import time
@@ -125,3 +126,24 @@ def test_lock_files_agree_on_shared_packages():
     assert core["torch"] == vllm["torch"] == "2.13.0" and vllm["vllm"] == "0.32.0"
     assert {name: core[name] for name in core if name in vllm and core[name] != vllm[name]} == {}
     assert not any(name.startswith("nvidia-") for name in core), "CUDA wheels belong only in the vLLM lock"
+
+
+@pytest.mark.parametrize("script", ["sft", "rl"])
+def test_a_model_the_hub_cannot_give_is_one_sentence(tmp_path, script):
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / f"{script}.py"),
+            "--model.name",
+            "plainrl-test/no-such-model",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: could not load plainrl-test/no-such-model: "), last
