@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import io
 import re
+import signal
 import sys
 import tomllib
 import types
@@ -136,6 +137,7 @@ def parse(config_class: type, argv: list[str] | None = None, description: str | 
     files, rest = split_presets(argv)
     flags = preset_to_flags(config_class, load_presets(files)) + rest
     if "-h" in rest or "--help" in rest:
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `--help | head` ends quietly, as other CLIs do
         return tyro.cli(config_class, args=flags, description=f"{description or ''}\n\n{USAGE}")
     captured = io.StringIO()
     try:

@@ -147,3 +147,17 @@ def test_a_model_the_hub_cannot_give_is_one_sentence(tmp_path, script):
     assert "Traceback" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: could not load plainrl-test/no-such-model: "), last
+
+
+def test_help_piped_into_a_reader_that_stops_early_prints_no_traceback():
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "scripts/rl.py"), "--help"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "COLUMNS": "80"},
+    )
+    process.stdout.read(20)  # like `| head -c 20`: read a little, then close the pipe
+    process.stdout.close()
+    stderr = process.stderr.read().decode()
+    process.wait(timeout=30)
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
