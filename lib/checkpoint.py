@@ -38,6 +38,23 @@ def latest(parent: Path) -> Path | None:
     return dirs[-1] if dirs else None
 
 
+def open_run(cfg, is_main: bool, say) -> Path | None:
+    """Claims cfg.output_dir for a run: refuses one that holds checkpoints unless cfg.resume, prints it
+    and (rank 0) writes config.toml. Returns the checkpoint to resume from, or None."""
+    from lib.config import write_config
+
+    run_dir = cfg.output_dir
+    resume_from = latest(run_dir / "checkpoints")
+    if resume_from and not cfg.resume:
+        raise ValueError(
+            f"{run_dir} already holds checkpoints: pass --resume to continue, or another --output-dir."
+        )
+    say(f"run dir: {run_dir}")
+    if is_main:
+        write_config(cfg, run_dir / "config.toml")
+    return resume_from
+
+
 @contextlib.contextmanager
 def atomic_dir(final: Path):
     """Yields an empty temporary directory next to `final` and renames it to `final` once the body is done."""

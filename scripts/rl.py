@@ -109,8 +109,7 @@ def main(cfg: Config) -> dict:
 
     from lib import client, dist, envs
     from lib.buffer import pack
-    from lib.checkpoint import latest, load_checkpoint, save_checkpoint, save_weights
-    from lib.config import write_config
+    from lib.checkpoint import load_checkpoint, open_run, save_checkpoint, save_weights
     from lib.log import RunLog
     from lib.loss import entropy, policy_loss, token_logp, token_share
     from lib.model import check_model_name, load_tokenizer, load_trainable, resolve_device
@@ -123,14 +122,7 @@ def main(cfg: Config) -> dict:
     say = print if is_main else (lambda *args: None)
     check_model_name(cfg.model.name)
     run_dir = cfg.output_dir
-    resume_from = latest(run_dir / "checkpoints")
-    if resume_from and not cfg.resume:
-        raise ValueError(
-            f"{run_dir} already holds checkpoints: pass --resume to continue, or another --output-dir."
-        )
-    say(f"run dir: {run_dir}")
-    if is_main:
-        write_config(cfg, run_dir / "config.toml")
+    resume_from = open_run(cfg, is_main, say)
 
     # ------------------------------------------------------------ dist and model
     device = dist.init(resolve_device(cfg.model))

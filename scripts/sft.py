@@ -87,8 +87,7 @@ def main(cfg: Config) -> dict:
     import torch.nn.functional as F
 
     from lib import dist
-    from lib.checkpoint import latest, load_checkpoint, save_checkpoint, save_weights
-    from lib.config import write_config
+    from lib.checkpoint import load_checkpoint, open_run, save_checkpoint, save_weights
     from lib.data import (
         IGNORE,
         batch_indices,
@@ -111,14 +110,7 @@ def main(cfg: Config) -> dict:
         )
     check_model_name(cfg.model.name)
     run_dir = cfg.output_dir
-    resume_from = latest(run_dir / "checkpoints")
-    if resume_from and not cfg.resume:
-        raise ValueError(
-            f"{run_dir} already holds checkpoints: pass --resume to continue, or another --output-dir."
-        )
-    say(f"run dir: {run_dir}")
-    if is_main:
-        write_config(cfg, run_dir / "config.toml")
+    resume_from = open_run(cfg, is_main, say)
 
     # ------------------------------------------------------------ data (before the model: bad data fails fast)
     tokenizer = load_tokenizer(cfg.model.name)
