@@ -22,6 +22,17 @@ if TYPE_CHECKING:
 API_KEY_VAR = "PLAINRL_API_KEY"
 
 
+def json_object(text: str, name: str) -> dict:
+    """`text` parsed as a JSON object; otherwise a one-sentence ValueError that names the setting."""
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{name} is not valid JSON ({error.msg}): {text}") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{name} must be a JSON object, got {text}.")
+    return parsed
+
+
 @dataclasses.dataclass
 class EnvConfig:
     id: str = "reverse_text"
@@ -34,18 +45,13 @@ class EnvConfig:
     """Seed of the dataset order and of synthetic data."""
 
     def __post_init__(self):
-        try:
-            parsed = json.loads(self.args)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"env.args is not valid JSON ({error.msg}): {self.args}") from None
-        if not isinstance(parsed, dict):
-            raise ValueError(f"env.args must be a JSON object, got {self.args}.")
+        json_object(self.args, "env.args")
         if self.num_examples == 0 or self.num_examples < -1:
             raise ValueError("env.num_examples must be -1 (all) or positive.")
 
     @property
     def kwargs(self) -> dict:
-        return json.loads(self.args)
+        return json_object(self.args, "env.args")
 
 
 # ---------------------------------------------------------------- data

@@ -28,6 +28,7 @@ from typing import Annotated, Literal
 import tyro
 
 from lib.config import fail, parse, write_config
+from lib.envs import json_object
 from lib.model import ModelConfig
 from lib.sampling import SamplingConfig
 
@@ -72,12 +73,7 @@ class Config:
             raise ValueError("max_concurrent must be at least 1.")
         if self.base_url is not None and not self.base_url.rstrip("/").endswith("/v1"):
             raise ValueError(f"base_url must end in /v1, e.g. http://localhost:8000/v1, got {self.base_url}.")
-        try:
-            parsed = json.loads(self.env_args)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"env_args is not valid JSON ({error.msg}): {self.env_args}") from None
-        if not isinstance(parsed, dict):
-            raise ValueError(f"env_args must be a JSON object, got {self.env_args}.")
+        json_object(self.env_args, "env_args")
 
 
 def pass_at_k(num_rollouts: int, num_correct: int, k: int) -> float:
