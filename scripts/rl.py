@@ -155,8 +155,10 @@ def main(cfg: Config) -> dict:
         if not urls:
             server_threads = None
             if device == "cpu":  # trainer and server share the cores: split them rather than oversubscribe
-                server_threads = max(1, (os.cpu_count() or 2) // 2)
-                torch.set_num_threads(max(1, (os.cpu_count() or 2) - server_threads))
+                cores = os.cpu_count() or 2
+                server_threads = max(1, cores // 2)
+                # On-policy, the server idles while the trainer trains: the trainer takes every core.
+                torch.set_num_threads(cores if cfg.max_async_level == 0 else max(1, cores - server_threads))
             server = client.start_server(
                 cfg.model.name,
                 cfg.inference.port or None,
