@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 async def run(vf_env, tasks, ctx, rollouts: int, concurrency: int) -> tuple[list, float, float]:
     """Warm-up rollouts, then the measured ones, in one serving session as a training run has it."""
-    from lib.envs import run_episode
+    from lib.envs import run_episode, serving
 
     semaphore = asyncio.Semaphore(concurrency)
 
@@ -44,7 +44,7 @@ async def run(vf_env, tasks, ctx, rollouts: int, concurrency: int) -> tuple[list
             episode = await run_episode(vf_env, tasks[index % len(tasks)], ctx)
             return time.perf_counter() - began, episode
 
-    async with vf_env.serving():
+    async with serving(vf_env):
         await asyncio.gather(*(one(i) for i in range(max(concurrency, 8))))
         cpu, wall = time.process_time(), time.perf_counter()
         results = await asyncio.gather(*(one(i) for i in range(rollouts)))

@@ -36,28 +36,6 @@ class Server:
                 self.process.wait()
 
 
-class ShardedTransport(httpx.AsyncBaseTransport):
-    """An httpx transport that spreads requests round-robin over several small connection pools.
-
-    httpcore's pool does O(connections) work, part of it O(connections^2), whenever a request starts
-    or ends, which adds up with hundreds of requests in flight; small pools keep it negligible.
-    """
-
-    def __init__(self, num_shards: int = 16):
-        ssl_context = httpx.create_ssl_context()  # loading the CA store costs ~30 ms: once, not per shard
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        self.shards = [httpx.AsyncHTTPTransport(verify=ssl_context, limits=limits) for _ in range(num_shards)]
-        self.turn = 0
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        self.turn = (self.turn + 1) % len(self.shards)
-        return await self.shards[self.turn].handle_async_request(request)
-
-    async def aclose(self) -> None:
-        for shard in self.shards:
-            await shard.aclose()
-
-
 def die_with_parent() -> None:
     """In the child: the kernel sends SIGTERM when the parent dies, even by kill -9 (Linux only)."""
     if sys.platform.startswith("linux"):

@@ -156,29 +156,56 @@ def load_env(env: EnvConfig) -> "vf.Env":
             for e in error.errors()
         )
         raise ValueError(f"bad arguments for environment {env.id}: {problems}.") from None
-    _use_sharded_pools()
+    _use_aiohttp_transport()
+    _cache_default_factory_checks()
     return vf.load_environment(config)
 
 
-def _use_sharded_pools() -> None:
-    """Makes verifiers' HTTP clients (the eval relay, the train client's /generate calls) use sharded pools.
+def _use_aiohttp_transport() -> None:
+    """Makes verifiers' HTTP clients (the eval relay, the train client's /generate calls) send through aiohttp.
 
-    With 64 requests in flight on one httpcore pool, its bookkeeping alone cost 3-4 ms of CPU per
-    rollout, a third of the environment layer (benchmarks/bench_env_overhead.py).
+    httpx keeps its API (verifiers and openai use it), but its default transport, httpcore, cost about
+    a third of the environment layer's CPU with 64 requests in flight (benchmarks/bench_env_overhead.py).
     """
     import httpx
     import verifiers.v1.clients.base as base
     import verifiers.v1.clients.eval as eval_client
-
-    from lib.client import ShardedTransport
+    from httpx_aiohttp import AiohttpTransport
 
     def build_async_httpx(config) -> httpx.AsyncClient:
-        return httpx.AsyncClient(
-            timeout=httpx.Timeout(**config.timeout.model_dump()), transport=ShardedTransport()
-        )
+        # max_connections 0: aiohttp's connector without a limit (the caller's semaphore bounds it).
+        transport = AiohttpTransport(limits=httpx.Limits(max_connections=0))
+        return httpx.AsyncClient(timeout=httpx.Timeout(**config.timeout.model_dump()), transport=transport)
 
     # The train client calls it through base (build_async_openai); the eval client imported the name.
     base.build_async_httpx = eval_client.build_async_httpx = build_async_httpx
+
+
+def _cache_default_factory_checks() -> None:
+    """Makes pydantic remember whether a field's default_factory takes the validated data.
+
+    pydantic 2.14 answers that with inspect.signature() on every model_construct of a model with a
+    default_factory field, uncached; for builtins like `list` it parses the signature from text.
+    verifiers builds several such models per turn: it was 15% of the rollout producer's CPU
+    (benchmarks/bench_env_overhead.py). The answer depends on the factory alone, so it is cached.
+    """
+    import functools
+
+    from pydantic._internal import _fields
+
+    check = _fields.takes_validated_data_argument
+    if hasattr(check, "cached"):
+        return
+    cached = functools.lru_cache(maxsize=4096)(check)
+
+    def takes_validated_data_argument(default_factory) -> bool:
+        try:
+            return cached(default_factory)
+        except TypeError:  # an unhashable factory: ask every time, as pydantic does
+            return check(default_factory)
+
+    takes_validated_data_argument.cached = cached
+    _fields.takes_validated_data_argument = takes_validated_data_argument
 
 
 def load_tasks(vf_env: "vf.Env", env: EnvConfig) -> list:
@@ -242,8 +269,23 @@ def model_context(
     return vf.ModelContext(model=model, client=client, sampling=vf.SamplingConfig(**values))
 
 
+@contextlib.asynccontextmanager
+async def serving(vf_env: "vf.Env"):
+    """verifiers' serving session of the env (its interception server, shared tools); run episodes inside.
+
+    On leaving it, the plainrl_chat harness's HTTP connections of this event loop are closed too.
+    """
+    import plainrl_chat
+
+    try:
+        async with vf_env.serving():
+            yield
+    finally:
+        await plainrl_chat.close_session()
+
+
 async def run_episode(vf_env: "vf.Env", task, ctx: "vf.ModelContext") -> "vf.Episode":
-    """One episode of `task`; call inside `async with vf_env.serving():`. Failures come back as data, never raised."""
+    """One episode of `task`; call inside `async with serving(vf_env):`. Failures come back as data, never raised."""
     _rebind_renderers_lock()
     return await vf_env.run_episode(task, ctx)
 

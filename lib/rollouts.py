@@ -1,6 +1,7 @@
 """The rollout producer: a background thread whose asyncio loop keeps groups of episodes in flight."""
 
 import asyncio
+import contextlib
 import itertools
 import threading
 
@@ -79,9 +80,21 @@ class Producer:
         self.loop.call_soon_threadsafe(update)
 
     def stop(self) -> None:
-        if self.thread.is_alive():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(timeout=10)
+        """Cancels the episodes in flight and the producer, which then leaves the env's serving session
+        (closing its servers and connections), and stops the loop."""
+        if not self.thread.is_alive():
+            return
+
+        async def shutdown():
+            tasks = asyncio.all_tasks() - {asyncio.current_task()}
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        with contextlib.suppress(TimeoutError):
+            asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(timeout=10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
 
     # ---------------------------------------------------------------- the background loop
 
@@ -93,7 +106,7 @@ class Producer:
 
     async def _produce(self) -> None:
         try:
-            async with self.env.serving():
+            async with envs.serving(self.env):
                 servers = itertools.cycle(self.contexts)
                 in_flight: set[asyncio.Task] = set()
                 while True:
@@ -109,6 +122,8 @@ class Producer:
                     in_flight.add(job)
                     job.add_done_callback(in_flight.discard)
                     await asyncio.sleep(0)
+        except asyncio.CancelledError:  # stop()
+            raise
         except BaseException as error:  # surfaced to the trainer by take()
             self.failure = error
             raise

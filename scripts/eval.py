@@ -136,7 +136,7 @@ def summarize(records: list[dict], rollouts_per_example: int) -> dict:
 
 async def run_all(vf_env, tasks, ctx, cfg: Config, progress, bar) -> list[list]:
     """Every rollout of every task, at most cfg.max_concurrent in flight, advancing the progress bar."""
-    from lib.envs import episode_reward, run_group
+    from lib.envs import episode_reward, run_group, serving
 
     semaphore = asyncio.Semaphore(cfg.max_concurrent)
     rewards = []
@@ -145,7 +145,7 @@ async def run_all(vf_env, tasks, ctx, cfg: Config, progress, bar) -> list[list]:
         rewards.append(episode_reward(episode))
         progress.update(bar, advance=1, reward=f"avg reward {statistics.fmean(rewards):.3f}")
 
-    async with vf_env.serving():
+    async with serving(vf_env):
         groups = [
             run_group(vf_env, task, ctx, cfg.rollouts_per_example, semaphore, advance) for task in tasks
         ]

@@ -16,6 +16,7 @@ from lib.envs import (
     load_tasks,
     model_context,
     run_group,
+    serving,
     sft_conversations,
     training_samples,
 )
@@ -38,7 +39,7 @@ def env_texts(conversations: list[list[dict]]) -> str:
 
 def run(vf_env, task, ctx, num: int):
     async def go():
-        async with vf_env.serving():
+        async with serving(vf_env):
             return await run_group(vf_env, task, ctx, num)
 
     return asyncio.run(go())
@@ -180,3 +181,40 @@ def test_a_failing_server_is_an_error_not_a_crash():
     with serve(oracle_app([], broken=True)) as url:
         episodes = run(vf_env, load_tasks(vf_env, env)[0], model_context(url, "oracle", SamplingConfig()), 2)
     assert all("500" in episode_error(e) for e in episodes)
+
+
+def test_leaving_serving_closes_the_harness_http_session():
+    import plainrl_chat
+
+    env = EnvConfig(id="reverse_text", args=SYNTHETIC, num_examples=1)
+    vf_env = load_env(env)
+
+    async def go(ctx):
+        async with serving(vf_env):
+            (episode,) = await run_group(vf_env, load_tasks(vf_env, env)[0], ctx, 1)
+            session = plainrl_chat._sessions[asyncio.get_running_loop()]
+            assert not session.closed
+        return episode, session
+
+    with serve(oracle_app(sft_conversations(env))) as url:
+        episode, session = asyncio.run(go(model_context(url, "oracle", SamplingConfig(max_tokens=512))))
+    assert episode_reward(episode) == 1.0
+    assert session.closed and session not in plainrl_chat._sessions.values()
+
+
+def test_cached_default_factory_check_answers_as_pydantic_does():
+    import pydantic
+    from pydantic._internal import _fields
+
+    load_env(EnvConfig(id="reverse_text", args=SYNTHETIC, num_examples=1))  # installs the cache
+    check = _fields.takes_validated_data_argument
+    assert hasattr(check, "cached")
+    assert check(list) is False and check(lambda data: data["x"]) is True and check(list) is False
+    assert check.cached.cache_info().hits >= 1
+
+    class Model(pydantic.BaseModel):
+        x: int = 1
+        y: int = pydantic.Field(default_factory=lambda data: data["x"] + 1)
+        z: list = pydantic.Field(default_factory=list)
+
+    assert Model(x=4).y == 5 and Model.model_construct(x=2).y == 3 and Model.model_construct().z == []

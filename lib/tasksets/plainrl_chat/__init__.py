@@ -7,7 +7,7 @@ tokens and applies the sampling settings), so the harness only has to send the c
 import asyncio
 import weakref
 
-import httpx
+import aiohttp
 import verifiers.v1 as vf
 from verifiers.v1.dialects.chat import message_to_wire
 
@@ -32,32 +32,39 @@ class PlainChatHarness(vf.Harness[PlainChatHarnessConfig]):
         elif prompt:
             messages += [message_to_wire(message) for message in prompt]
         # Sampling settings are not sent: the interception server applies the run's own.
-        response = await loop_client().post(
+        async with loop_session().post(
             f"{endpoint}/chat/completions",
             headers={"Authorization": f"Bearer {secret}"},
             json={"model": ctx.model, "messages": messages},
-        )
+        ) as response:
+            text = await response.text()
         # A failed call exits non-zero; the rollout records the model error or stop condition behind it.
-        return vf.ProgramResult(
-            exit_code=0 if response.status_code == 200 else 1, stdout="", stderr=response.text[-2000:]
-        )
+        return vf.ProgramResult(exit_code=0 if response.status == 200 else 1, stdout="", stderr=text[-2000:])
 
 
-_clients: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient]" = (
+_sessions: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession]" = (
     weakref.WeakKeyDictionary()
 )
 
 
-def loop_client() -> httpx.AsyncClient:
-    """One HTTP client per event loop, connections kept alive: a client per call costs ~30 ms (the CA store)."""
-    from lib.client import ShardedTransport
+def loop_session() -> aiohttp.ClientSession:
+    """One aiohttp session per event loop, connections kept alive and unlimited in number.
 
+    aiohttp's client, not httpx: on this loopback hop httpx and httpcore cost several times more CPU
+    per call (benchmarks/bench_env_overhead.py).
+    """
     loop = asyncio.get_running_loop()
-    if loop not in _clients:
-        _clients[loop] = httpx.AsyncClient(
-            timeout=httpx.Timeout(None, connect=10), transport=ShardedTransport()
-        )
-    return _clients[loop]
+    if loop not in _sessions:
+        timeout = aiohttp.ClientTimeout(total=None, connect=10)
+        _sessions[loop] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout)
+    return _sessions[loop]
+
+
+async def close_session() -> None:
+    """Closes this event loop's session, if it has one (lib.envs.serving does, on leaving)."""
+    session = _sessions.pop(asyncio.get_running_loop(), None)
+    if session is not None:
+        await session.close()
 
 
 __all__ = ["PlainChatHarness", "PlainChatHarnessConfig"]
