@@ -6,6 +6,8 @@ import statistics
 import time
 from typing import TYPE_CHECKING
 
+from lib import data
+
 if TYPE_CHECKING:
     import torch
 
@@ -162,25 +164,6 @@ class MicroBatch:
         return int(self.loss_mask.sum())
 
 
-def pack_rows(lengths: list[int], seq_len: int) -> list[list[int]]:
-    """First-fit decreasing: indices of the samples in each row, no row longer than seq_len."""
-    rows: list[list[int]] = []
-    free: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        if lengths[i] > seq_len:
-            raise ValueError(
-                f"a rollout of {lengths[i]} tokens does not fit in seq_len {seq_len}; raise seq_len."
-            )
-        row = next((r for r in range(len(rows)) if free[r] >= lengths[i]), None)
-        if row is None:
-            rows.append([])
-            free.append(seq_len)
-            row = len(rows) - 1
-        rows[row].append(i)
-        free[row] -= lengths[i]
-    return rows
-
-
 def pack(
     samples: list[Rollout],
     seq_len: int,
@@ -208,7 +191,7 @@ def pack(
         assert not s.loss_mask[0], "a rollout cannot start with a sampled token (it has no context)"
     lengths = [len(s.token_ids) for s in samples]
     if packing:
-        rows = pack_rows(lengths, seq_len)
+        rows = data.pack(lengths, seq_len)
     else:
         rows = [[i] for i in sorted(range(len(samples)), key=lambda i: -lengths[i])]
 

@@ -146,9 +146,13 @@ def batch_indices(step: int, batch_size: int, num_samples: int, seed: int) -> li
 
 
 def pack(lengths: list[int], seq_len: int) -> list[list[int]]:
-    """First-fit decreasing: sample indices grouped into rows of at most seq_len tokens."""
+    """First-fit decreasing: sample indices grouped into rows of at most seq_len tokens (SFT and RL)."""
     rows, free = [], []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if lengths[i] > seq_len:
+            raise ValueError(
+                f"a sequence of {lengths[i]} tokens does not fit in seq_len {seq_len}; raise seq_len."
+            )
         for r, space in enumerate(free):
             if lengths[i] <= space:
                 rows[r].append(i)
