@@ -167,14 +167,19 @@ def _use_aiohttp_transport() -> None:
     httpx keeps its API (verifiers and openai use it), but its default transport, httpcore, cost about
     a third of the environment layer's CPU with 64 requests in flight (benchmarks/bench_env_overhead.py).
     """
+    import aiohttp
     import httpx
     import verifiers.v1.clients.base as base
     import verifiers.v1.clients.eval as eval_client
     from httpx_aiohttp import AiohttpTransport
 
+    def session() -> aiohttp.ClientSession:
+        # No connection limit (the caller's semaphore bounds them); proxies from the environment, as httpx.
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), trust_env=True)
+
     def build_async_httpx(config) -> httpx.AsyncClient:
-        # max_connections 0: aiohttp's connector without a limit (the caller's semaphore bounds it).
-        transport = AiohttpTransport(limits=httpx.Limits(max_connections=0))
+        # The transport opens the session at its first request, inside the event loop that sends it.
+        transport = AiohttpTransport(client=session)
         return httpx.AsyncClient(timeout=httpx.Timeout(**config.timeout.model_dump()), transport=transport)
 
     # The train client calls it through base (build_async_openai); the eval client imported the name.
