@@ -7,11 +7,12 @@ import json
 import os
 import socket
 import sys
-import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
+
+from lib import patches
 
 # verifiers takes ~3 s to import: it is imported inside the functions, so EnvConfig stays cheap (--help).
 if TYPE_CHECKING:
@@ -156,61 +157,9 @@ def load_env(env: EnvConfig) -> "vf.Env":
             for e in error.errors()
         )
         raise ValueError(f"bad arguments for environment {env.id}: {problems}.") from None
-    _use_aiohttp_transport()
-    _cache_default_factory_checks()
+    patches.use_aiohttp_transport()
+    patches.cache_default_factory_checks()
     return vf.load_environment(config)
-
-
-def _use_aiohttp_transport() -> None:
-    """Makes verifiers' HTTP clients (the eval relay, the train client's /generate calls) send through aiohttp.
-
-    httpx keeps its API (verifiers and openai use it), but its default transport, httpcore, cost about
-    a third of the environment layer's CPU with 64 requests in flight (benchmarks/bench_env_overhead.py).
-    """
-    import aiohttp
-    import httpx
-    import verifiers.v1.clients.base as base
-    import verifiers.v1.clients.eval as eval_client
-    from httpx_aiohttp import AiohttpTransport
-
-    def session() -> aiohttp.ClientSession:
-        # No connection limit (the caller's semaphore bounds them); proxies from the environment, as httpx.
-        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), trust_env=True)
-
-    def build_async_httpx(config) -> httpx.AsyncClient:
-        # The transport opens the session at its first request, inside the event loop that sends it.
-        transport = AiohttpTransport(client=session)
-        return httpx.AsyncClient(timeout=httpx.Timeout(**config.timeout.model_dump()), transport=transport)
-
-    # The train client calls it through base (build_async_openai); the eval client imported the name.
-    base.build_async_httpx = eval_client.build_async_httpx = build_async_httpx
-
-
-def _cache_default_factory_checks() -> None:
-    """Makes pydantic remember whether a field's default_factory takes the validated data.
-
-    pydantic 2.14 answers that with inspect.signature() on every model_construct of a model with a
-    default_factory field, uncached; for builtins like `list` it parses the signature from text.
-    verifiers builds several such models per turn: it was 15% of the rollout producer's CPU
-    (benchmarks/bench_env_overhead.py). The answer depends on the factory alone, so it is cached.
-    """
-    import functools
-
-    from pydantic._internal import _fields
-
-    check = _fields.takes_validated_data_argument
-    if hasattr(check, "cached"):
-        return
-    cached = functools.lru_cache(maxsize=4096)(check)
-
-    def takes_validated_data_argument(default_factory) -> bool:
-        try:
-            return cached(default_factory)
-        except TypeError:  # an unhashable factory: ask every time, as pydantic does
-            return check(default_factory)
-
-    takes_validated_data_argument.cached = cached
-    _fields.takes_validated_data_argument = takes_validated_data_argument
 
 
 def load_tasks(vf_env: "vf.Env", env: EnvConfig) -> list:
@@ -291,7 +240,7 @@ async def serving(vf_env: "vf.Env"):
 
 async def run_episode(vf_env: "vf.Env", task, ctx: "vf.ModelContext") -> "vf.Episode":
     """One episode of `task`; call inside `async with serving(vf_env):`. Failures come back as data, never raised."""
-    _rebind_renderers_lock()
+    patches.rebind_renderers_lock()
     return await vf_env.run_episode(task, ctx)
 
 
@@ -316,25 +265,6 @@ async def run_group(
         return episode
 
     return await asyncio.gather(*(one() for _ in range(num)))
-
-
-_lock_loop = None
-
-
-def _rebind_renderers_lock() -> None:
-    """Gives renderers' module-level asyncio.Lock to the running event loop.
-
-    The train client guards its first GET /v1/models per server with that lock, which binds to the
-    first loop that waits on it; every train episode of a later asyncio.run (tests, a second eval in
-    one process) would then fail with "bound to a different event loop".
-    """
-    global _lock_loop
-    import renderers.client
-
-    loop = asyncio.get_running_loop()
-    if _lock_loop is None or _lock_loop() is not loop:
-        renderers.client._max_prompt_len_lock = asyncio.Lock()
-        _lock_loop = weakref.ref(loop)
 
 
 def episode_error(episode: "vf.Episode") -> str | None:
