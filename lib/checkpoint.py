@@ -82,6 +82,14 @@ def prune(parent: Path, keep: int) -> None:
         shutil.rmtree(path)
 
 
+def drop_newer(parent: Path, step: int) -> None:
+    """Deletes step_N directories with N > step: what a stopped run wrote after the checkpoint it resumes
+    from, which the resumed run writes again (and which would make `prune` drop the resumed step's own)."""
+    for path in step_dirs(parent):
+        if step_of(path) > step:
+            shutil.rmtree(path)
+
+
 # ---------------------------------------------------------------- weights
 
 

@@ -109,7 +109,7 @@ def main(cfg: Config) -> dict:
 
     from lib import client, dist, envs
     from lib.buffer import pack
-    from lib.checkpoint import load_checkpoint, open_run, save_checkpoint, save_weights
+    from lib.checkpoint import drop_newer, load_checkpoint, open_run, save_checkpoint, save_weights
     from lib.log import RunLog
     from lib.loss import entropy, policy_loss, token_logp, token_share
     from lib.model import check_model_name, load_tokenizer, load_trainable, resolve_device
@@ -138,6 +138,8 @@ def main(cfg: Config) -> dict:
     if cfg.resume and resume_from:
         start = load_checkpoint(resume_from, model, optimizer, scheduler)["step"]
         say(f"resumed from {resume_from} (step {start})")
+        if is_main:
+            drop_newer(run_dir / "weights", start)
 
     def publish(version: int) -> float:
         """Writes weights/step_N and makes every server load them; returns the seconds it took."""
@@ -175,8 +177,10 @@ def main(cfg: Config) -> dict:
             envs.model_context(url, cfg.model.name, cfg.sampling, api_key, train=True) for url in urls
         ]
         say(f"env {cfg.env.id}: {len(tasks)} examples; {len(urls)} server(s): {' '.join(urls)}")
-    if start:
-        publish(start)  # the servers start from model.name: bring them to the resumed weights
+    if start or cfg.inference.urls:
+        # A started server loads model.name; bring it to the resumed weights. An attached one may still
+        # hold another run's weights: load this run's starting point, or step 1 would be off-policy.
+        publish(start)
     if is_main:
         producer = Producer(
             env,

@@ -60,6 +60,8 @@ def rl_config_args(model, out, url, *extra) -> list[str]:
 
 
 def test_on_policy_ratio_is_one_and_the_server_gets_each_step_weights(tiny_dir, server, tmp_path):
+    # An earlier run leaves the attached server on other weights: the next run must start it on its own.
+    rl.main(rl_config(tiny_dir, tmp_path / "earlier", server.url, "--steps", "1", "--optim.lr", "3e-2"))
     result = rl.main(rl_config(tiny_dir, tmp_path / "run", server.url, "--max-async-level", "0"))
     trained = [m for m in result["history"] if m["train/loss"] != 0.0]
     assert trained, "no step had a learning signal"
@@ -113,9 +115,11 @@ def test_kill_9_then_resume_continues_from_the_last_checkpoint(tiny_dir, tmp_pat
         "--output-dir",
         str(out),
         "--steps",
-        "5",
+        "8",
         "--checkpoint-every",
-        "1",
+        "4",
+        "--keep-weights",
+        "2",
         "--examples-per-step",
         "2",
         "--rollouts-per-example",
@@ -137,19 +141,21 @@ def test_kill_9_then_resume_continues_from_the_last_checkpoint(tiny_dir, tmp_pat
         stderr=subprocess.DEVNULL,
         env=env,
     )
+    # Killed two steps past checkpoint 4: weights/step_5 and step_6 exist, newer than what resumes.
     deadline = time.monotonic() + 240
-    while not (out / "checkpoints" / "step_2").is_dir():
-        assert process.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
+    while not (out / "weights" / "step_6").is_dir():
+        assert process.poll() is None and time.monotonic() < deadline, "no weights/step_6 appeared"
         time.sleep(0.2)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     killed_at = max(int(p.name[5:]) for p in (out / "checkpoints").glob("step_*"))
+    assert killed_at == 4, killed_at
     resumed = subprocess.run(
         command + ["--resume"], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"(step {killed_at})" in resumed.stdout
-    assert (out / "weights" / "step_5").is_dir() and (out / "checkpoints" / "step_5").is_dir()
+    assert (out / "weights" / "step_8").is_dir() and (out / "checkpoints" / "step_8").is_dir()
     leftovers = [p.name for p in out.rglob(".tmp-*")]
     assert leftovers == [], leftovers
 
