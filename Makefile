@@ -60,7 +60,7 @@ $(STAMP): requirements.lock pyproject.toml
 
 setup: $(STAMP)  ## create .venv from requirements.lock (skipped when up to date)
 
-test: setup  ## lint and run the test suite
+test: setup  ## ruff check and the test suite (make lint also checks formatting)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest
 
