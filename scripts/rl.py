@@ -13,6 +13,7 @@ Usage:
 
 import dataclasses
 import os
+import sys
 from pathlib import Path
 
 from lib.config import fail, parse
@@ -338,3 +339,9 @@ if __name__ == "__main__":
         main(config)
     except ValueError as error:  # bad input found after parsing (files, servers, data): one sentence
         fail(str(error).rstrip(".") + ".")
+    except KeyboardInterrupt:  # Ctrl-C: the servers and threads are already stopped, no traceback
+        print(
+            f"\ninterrupted: `--resume` continues from the last checkpoint in {config.output_dir}",
+            file=sys.stderr,
+        )
+        raise SystemExit(130) from None
