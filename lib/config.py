@@ -31,6 +31,20 @@ def fail(message: str) -> typing.NoReturn:
     raise SystemExit(2)
 
 
+def run_main(main, config, resume_dir: Path | None = None) -> None:
+    """Runs a script's main(config). Bad input found after parsing (files, servers, data) ends as one
+    sentence, exit 2; Ctrl-C as one line (saying how to resume when the run can), exit 130. main's own
+    `finally` has stopped its servers and threads by then."""
+    try:
+        main(config)
+    except ValueError as error:
+        fail(str(error).rstrip(".") + ".")
+    except KeyboardInterrupt:
+        hint = f": `--resume` continues from the last checkpoint in {resume_dir}" if resume_dir else ""
+        print(f"\ninterrupted{hint}", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
 def split_presets(argv: list[str]) -> tuple[list[Path], list[str]]:
     """Separates `@ a.toml`, `@b.toml` preset files from the remaining CLI flags."""
     files, rest, i = [], [], 0

@@ -13,10 +13,9 @@ Usage:
 
 import dataclasses
 import os
-import sys
 from pathlib import Path
 
-from lib.config import fail, parse
+from lib.config import parse, run_main
 from lib.envs import EnvConfig
 from lib.loss import LossConfig
 from lib.model import LoraConfig, ModelConfig
@@ -335,13 +334,4 @@ def main(cfg: Config) -> dict:
 
 if __name__ == "__main__":
     config = parse(Config, description=__doc__)
-    try:
-        main(config)
-    except ValueError as error:  # bad input found after parsing (files, servers, data): one sentence
-        fail(str(error).rstrip(".") + ".")
-    except KeyboardInterrupt:  # Ctrl-C: the servers and threads are already stopped, no traceback
-        print(
-            f"\ninterrupted: `--resume` continues from the last checkpoint in {config.output_dir}",
-            file=sys.stderr,
-        )
-        raise SystemExit(130) from None
+    run_main(main, config, config.output_dir)

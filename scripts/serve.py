@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from lib.config import fail, parse
+from lib.config import parse, run_main
 from lib.model import ModelConfig
 from lib.vllm import VllmConfig
 
@@ -131,7 +131,4 @@ def main(cfg: Config) -> None:
 
 if __name__ == "__main__":
     config = parse(Config, description=__doc__)
-    try:
-        main(config)
-    except ValueError as error:  # bad input found after parsing (model directory, vLLM missing): one sentence
-        fail(str(error).rstrip(".") + ".")
+    run_main(main, config)
