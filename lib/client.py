@@ -98,6 +98,7 @@ def start_server(
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             preexec_fn=die_with_parent,
+            process_group=0,  # a Ctrl-C in the terminal reaches the controller, which stops the server itself
             env={**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})},
         )
     server = Server(process, f"http://127.0.0.1:{port}/v1", log_path)

@@ -14,6 +14,7 @@ import io
 import re
 import signal
 import sys
+import threading
 import tomllib
 import types
 import typing
@@ -43,6 +44,31 @@ def run_main(main, config, resume_dir: Path | None = None) -> None:
         hint = f": `--resume` continues from the last checkpoint in {resume_dir}" if resume_dir else ""
         print(f"\ninterrupted{hint}", file=sys.stderr)
         raise SystemExit(130) from None
+
+
+class StopAfterStep:
+    """Makes the first Ctrl-C a request (`requested`) that a training loop answers by checkpointing the
+    step it is on and stopping; a second Ctrl-C stops at once, as usual. `close()` puts the usual
+    handling back. Outside the main thread (where no signal handler can be set) it does nothing."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+
+    def close(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print(
+            "\nCtrl-C: stopping after this step, with a checkpoint (Ctrl-C again stops now)", file=sys.stderr
+        )
 
 
 def split_presets(argv: list[str]) -> tuple[list[Path], list[str]]:

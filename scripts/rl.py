@@ -15,7 +15,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from lib.config import parse, run_main
+from lib.config import StopAfterStep, parse, run_main
 from lib.envs import EnvConfig
 from lib.loss import LossConfig
 from lib.model import LoraConfig, ModelConfig
@@ -200,6 +200,7 @@ def main(cfg: Config) -> dict:
     # ------------------------------------------------------------ loop
     log = RunLog(run_dir, cfg.steps, start, is_main, print_every=1)
     history, weights, flat_steps = [], None, 0
+    stop = StopAfterStep()
     try:
         for step in range(start, cfg.steps):
             began = time.perf_counter()
@@ -314,10 +315,15 @@ def main(cfg: Config) -> dict:
                             out.write("\n")
 
             # -------------------------------------------------------- checkpoint
-            if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+            stopping = dist.all_sum(stop.requested, device) > 0  # a Ctrl-C on any rank stops them all here
+            if done % cfg.checkpoint_every == 0 or done == cfg.steps or stopping:
                 progress = {"world_size": world_size}
                 save_checkpoint(run_dir, done, model, optimizer, scheduler, progress, cfg.keep_checkpoints)
+            if stopping:
+                log.print(f"stopped after step {done}: checkpoints/step_{done} saved")
+                raise KeyboardInterrupt  # run_main ends the run with the resume hint
     finally:
+        stop.close()
         log.close()
         if producer is not None:
             producer.stop()

@@ -27,7 +27,7 @@ Usage:
 import dataclasses
 from pathlib import Path
 
-from lib.config import parse, run_main
+from lib.config import StopAfterStep, parse, run_main
 from lib.envs import EnvConfig
 from lib.model import LoraConfig, ModelConfig
 from lib.optim import OptimConfig
@@ -152,56 +152,66 @@ def main(cfg: Config) -> dict:
     # ------------------------------------------------------------ loop
     log = RunLog(run_dir, cfg.steps, start, is_main, cfg.log_every)
     history, weights = [], None
-    for step in range(start, cfg.steps):
-        started = time.perf_counter()
-        batch = [samples[i] for i in batch_indices(step, cfg.batch_size, len(samples), cfg.seed)]
-        # Every rank knows the whole step's samples, so the normaliser needs no communication.
-        loss_tokens = max(1, sum(sum(mask[1:]) for _, mask in batch))
-        step_tokens = sum(len(ids) for ids, _ in batch)
-        mine = batch[rank * per_rank : (rank + 1) * per_rank]
-        loss_sum = 0.0
-        for first in range(0, per_rank, cfg.micro_batch_size):
-            rows = make_rows(
-                mine[first : first + cfg.micro_batch_size], cfg.seq_len, cfg.packing, tokenizer.pad_token_id
-            )
-            input_ids, position_ids, targets = (t.to(device) for t in rows)  # (R, L) each
-            with autocast():
-                output = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-            logits = output.logits  # (R, L, V)
-            trained = targets != IGNORE
-            token_loss = F.cross_entropy(logits[trained].float(), targets[trained], reduction="sum")
-            # FSDP averages gradients over ranks; this loss is already a mean over all ranks' tokens.
-            (token_loss * world_size / loss_tokens).backward()
-            loss_sum += token_loss.item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm or float("inf"))
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss = dist.all_sum(loss_sum, device) / loss_tokens
-        elapsed = time.perf_counter() - started
+    stop = StopAfterStep()
+    try:
+        for step in range(start, cfg.steps):
+            started = time.perf_counter()
+            batch = [samples[i] for i in batch_indices(step, cfg.batch_size, len(samples), cfg.seed)]
+            # Every rank knows the whole step's samples, so the normaliser needs no communication.
+            loss_tokens = max(1, sum(sum(mask[1:]) for _, mask in batch))
+            step_tokens = sum(len(ids) for ids, _ in batch)
+            mine = batch[rank * per_rank : (rank + 1) * per_rank]
+            loss_sum = 0.0
+            for first in range(0, per_rank, cfg.micro_batch_size):
+                rows = make_rows(
+                    mine[first : first + cfg.micro_batch_size],
+                    cfg.seq_len,
+                    cfg.packing,
+                    tokenizer.pad_token_id,
+                )
+                input_ids, position_ids, targets = (t.to(device) for t in rows)  # (R, L) each
+                with autocast():
+                    output = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+                logits = output.logits  # (R, L, V)
+                trained = targets != IGNORE
+                token_loss = F.cross_entropy(logits[trained].float(), targets[trained], reduction="sum")
+                # FSDP averages gradients over ranks; this loss is already a mean over all ranks' tokens.
+                (token_loss * world_size / loss_tokens).backward()
+                loss_sum += token_loss.item()
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm or float("inf"))
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss = dist.all_sum(loss_sum, device) / loss_tokens
+            stopping = dist.all_sum(stop.requested, device) > 0  # a Ctrl-C on any rank stops them all here
+            elapsed = time.perf_counter() - started
 
-        # -------------------------------------------------------- log
-        metrics = {
-            "train/loss": loss,
-            "train/lr": lr,
-            "train/grad_norm": grad_norm.item(),
-            "perf/tokens_per_second": step_tokens / elapsed,
-            "perf/step_seconds": elapsed,
-        }
-        history.append(metrics)
-        log.scalars(step + 1, metrics)
+            # -------------------------------------------------------- log
+            metrics = {
+                "train/loss": loss,
+                "train/lr": lr,
+                "train/grad_norm": grad_norm.item(),
+                "perf/tokens_per_second": step_tokens / elapsed,
+                "perf/step_seconds": elapsed,
+            }
+            history.append(metrics)
+            log.scalars(step + 1, metrics)
 
-        # -------------------------------------------------------- checkpoint
-        done = step + 1
-        if done % cfg.checkpoint_every == 0 or done == cfg.steps:
-            log.flush()  # the curves on disk reach at least as far as the checkpoint
-            weights = save_weights(run_dir, done, model, tokenizer, save_dtype, cfg.keep_checkpoints)
-            progress = {"samples_seen": done * cfg.batch_size, "world_size": world_size}
-            save_checkpoint(run_dir, done, model, optimizer, scheduler, progress, cfg.keep_checkpoints)
-            log.print(f"saved {weights} and checkpoints/step_{done}")
-    log.close()
+            # -------------------------------------------------------- checkpoint
+            done = step + 1
+            if done % cfg.checkpoint_every == 0 or done == cfg.steps or stopping:
+                log.flush()  # the curves on disk reach at least as far as the checkpoint
+                weights = save_weights(run_dir, done, model, tokenizer, save_dtype, cfg.keep_checkpoints)
+                progress = {"samples_seen": done * cfg.batch_size, "world_size": world_size}
+                save_checkpoint(run_dir, done, model, optimizer, scheduler, progress, cfg.keep_checkpoints)
+                log.print(f"saved {weights} and checkpoints/step_{done}")
+            if stopping:
+                raise KeyboardInterrupt  # run_main ends the run with the resume hint
+    finally:
+        stop.close()
+        log.close()
     if history:
         mean_speed = sum(m["perf/tokens_per_second"] for m in history) / len(history)
         say(f"final loss {history[-1]['train/loss']:.4f}, {mean_speed:.0f} tokens/s on average")

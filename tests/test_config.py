@@ -1,6 +1,7 @@
 """Config parsing: presets, precedence, the resolved config, and one-sentence errors for bad input."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, load_script
 
-from lib.config import parse, write_config
+from lib.config import StopAfterStep, parse, write_config
 
 SCRIPTS = ["sft", "rl", "eval", "serve", "tiny"]
 
@@ -161,3 +162,16 @@ def test_help_piped_into_a_reader_that_stops_early_prints_no_traceback():
     stderr = process.stderr.read().decode()
     process.wait(timeout=30)
     assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
+
+
+def test_first_ctrl_c_is_a_request_and_the_second_stops_at_once(capsys):
+    stop = StopAfterStep()
+    try:
+        assert not stop.requested
+        signal.raise_signal(signal.SIGINT)
+        assert stop.requested and "Ctrl-C again" in capsys.readouterr().err
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    finally:
+        stop.close()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

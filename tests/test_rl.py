@@ -103,9 +103,9 @@ def test_async_level_two_runs_and_logs_staleness(tiny_dir, server, tmp_path):
     assert (tmp_path / "run" / "tb").is_dir() and (tmp_path / "run" / "config.toml").is_file()
 
 
-def test_kill_9_then_resume_continues_from_the_last_checkpoint(tiny_dir, tmp_path):
-    out = tmp_path / "run"
-    command = [
+def own_server_command(tiny_dir, out, *extra) -> list[str]:
+    """A short run on letter_taskset that starts its own server, as `make rl ENV=tiny` does."""
+    return [
         sys.executable,
         str(ROOT / "scripts/rl.py"),
         "@",
@@ -114,10 +114,6 @@ def test_kill_9_then_resume_continues_from_the_last_checkpoint(tiny_dir, tmp_pat
         str(tiny_dir),
         "--output-dir",
         str(out),
-        "--steps",
-        "8",
-        "--checkpoint-every",
-        "4",
         "--keep-weights",
         "2",
         "--examples-per-step",
@@ -130,7 +126,13 @@ def test_kill_9_then_resume_continues_from_the_last_checkpoint(tiny_dir, tmp_pat
         "torch",
         "--env.id",
         "letter_taskset",
+        *extra,
     ]
+
+
+def test_kill_9_then_resume_continues_from_the_last_checkpoint(tiny_dir, tmp_path):
+    out = tmp_path / "run"
+    command = own_server_command(tiny_dir, out, "--steps", "40", "--checkpoint-every", "4")
     # Its own process group, so kill -9 takes the server it started along (as a killed job would).
     env = {**os.environ, "PYTHONPATH": str(FIXTURES)}
     process = subprocess.Popen(
@@ -143,21 +145,60 @@ def test_kill_9_then_resume_continues_from_the_last_checkpoint(tiny_dir, tmp_pat
     )
     # Killed two steps past checkpoint 4: weights/step_5 and step_6 exist, newer than what resumes.
     deadline = time.monotonic() + 240
-    while not (out / "weights" / "step_6").is_dir():
+    while not (out / "weights" / "step_6").is_dir():  # there for two steps (keep_weights 2): look often
         assert process.poll() is None and time.monotonic() < deadline, "no weights/step_6 appeared"
-        time.sleep(0.2)
+        time.sleep(0.01)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     killed_at = max(int(p.name[5:]) for p in (out / "checkpoints").glob("step_*"))
     assert killed_at == 4, killed_at
     resumed = subprocess.run(
-        command + ["--resume"], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env
+        command + ["--steps", "8", "--resume"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"(step {killed_at})" in resumed.stdout
     assert (out / "weights" / "step_8").is_dir() and (out / "checkpoints" / "step_8").is_dir()
     leftovers = [p.name for p in out.rglob(".tmp-*")]
     assert leftovers == [], leftovers
+
+
+def test_ctrl_c_checkpoints_the_step_it_is_on_then_resume_continues(tiny_dir, tmp_path):
+    out = tmp_path / "run"
+    command = own_server_command(tiny_dir, out, "--steps", "40", "--checkpoint-every", "100")
+    env = {**os.environ, "PYTHONPATH": str(FIXTURES)}
+    # A terminal's Ctrl-C goes to the whole foreground process group: rl.py and whatever it started.
+    process = subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    deadline = time.monotonic() + 240
+    while not (out / "weights" / "step_3").is_dir():
+        assert process.poll() is None and time.monotonic() < deadline, "no weights/step_3 appeared"
+        time.sleep(0.01)
+    os.killpg(process.pid, signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr[-3000:]
+    assert "--resume" in stderr and "Traceback" not in stderr, stderr[-3000:]
+    stopped_at = [int(p.name[5:]) for p in (out / "checkpoints").glob("step_*")]
+    assert len(stopped_at) == 1 and 3 <= stopped_at[0] < 40, stopped_at  # the step it was on, not step 100
+    assert f"stopped after step {stopped_at[0]}" in stdout
+    resumed = subprocess.run(
+        own_server_command(tiny_dir, out, "--steps", str(stopped_at[0] + 2), "--resume"),
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"(step {stopped_at[0]})" in resumed.stdout
+    assert (out / "checkpoints" / f"step_{stopped_at[0] + 2}").is_dir()
 
 
 def test_three_turn_alphabet_sort_runs_end_to_end_and_warns_when_flat(tiny_dir, server, tmp_path, capsys):

@@ -112,6 +112,35 @@ def test_resume_after_a_kill_gives_the_same_losses_and_weights(tiny_dir, data_fi
     assert [event.step for event in curve] == [1, 2, 3, 4, 5, 6]  # one curve across both runs
 
 
+def test_ctrl_c_checkpoints_the_step_it_is_on_and_resume_continues_it(
+    tiny_dir, data_file, tmp_path, monkeypatch
+):
+    args = ("--steps", "5", "--checkpoint-every", "100")
+    full = run(*flags(tiny_dir, data_file, tmp_path / "full", *args))
+
+    import signal
+
+    import lib.data
+
+    batch_indices = lib.data.batch_indices
+
+    def ctrl_c_in_step_2(step, *a):
+        if step == 1:
+            signal.raise_signal(signal.SIGINT)  # as a terminal's Ctrl-C does, in the middle of step 2
+        return batch_indices(step, *a)
+
+    monkeypatch.setattr(lib.data, "batch_indices", ctrl_c_in_step_2)
+    with pytest.raises(KeyboardInterrupt):
+        run(*flags(tiny_dir, data_file, tmp_path / "cut", *args))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    assert [p.name for p in (tmp_path / "cut/checkpoints").iterdir()] == ["step_2"]
+    monkeypatch.setattr(lib.data, "batch_indices", batch_indices)
+    resumed = run(*flags(tiny_dir, data_file, tmp_path / "cut", *args, "--resume"))
+    assert losses(resumed["history"]) == losses(full["history"])[2:]  # bit for bit
+    a, b = weights(tmp_path / "full/weights/step_5"), weights(tmp_path / "cut/weights/step_5")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_accumulation_packing_and_recomputation_do_not_change_the_step(tiny_dir, data_file, tmp_path):
     one = run(*flags(tiny_dir, data_file, tmp_path / "one", "--micro-batch-size", "4", "--steps", "2"))
     more = ("--micro-batch-size", "1", "--no-packing", "--activation-checkpointing", "--steps", "2")
