@@ -34,7 +34,7 @@ def token_logp(logits, input_ids, temperature: float = 1.0):
 
     logits: (B, T, V) from the model on input_ids (B, T). The logits are divided by the sampling
     temperature first, because the inference logprobs are those of the distribution actually sampled
-    from (DESIGN §4.1); without it the ratio at temperature != 1 would not be 1 on-policy.
+    from; without it the ratio at temperature != 1 would not be 1 on-policy.
     In packed rows the first token of each sample gets a meaningless value (it is predicted from the
     previous sample); it is a prompt token, outside the loss mask.
     """

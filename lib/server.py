@@ -1,4 +1,4 @@
-"""The builtin engine's HTTP server: vLLM's routes and JSON shapes (DESIGN §4.1), on FastAPI.
+"""The builtin engine's HTTP server: vLLM's routes and JSON shapes, on FastAPI.
 
 Generation: /v1/chat/completions, /v1/completions, /inference/v1/generate (tokens in, tokens out, as
 verifiers' train client calls it through `renderers.client.generate`). Weight updates, vLLM dev-mode

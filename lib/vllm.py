@@ -2,7 +2,7 @@
 
 What each flag is for:
 - `--logprobs-mode processed_logprobs`: logprobs of the distribution actually sampled from (after
-  temperature, top-k, top-p), the ones the importance ratio needs (DESIGN §4.1).
+  temperature, top-k, top-p), the ones the importance ratio needs.
 - `--generation-config vllm`: vLLM's own sampling defaults, not the model's generation_config.json,
   so a request that leaves temperature out means the same on both engines.
 - `VLLM_SERVER_DEV_MODE=1` (environment): mounts /pause, /resume, /collective_rpc, /reset_prefix_cache.

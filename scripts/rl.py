@@ -2,7 +2,8 @@
 
 Starts (or attaches to) inference servers, keeps groups of rollouts in flight, computes
 group-relative advantages, trains with an importance-sampled policy loss, pushes new weights to every
-server each step, logs to tensorboard and checkpoints for exact resume (DESIGN §3, §4.4).
+server each step, logs to tensorboard and checkpoints for exact resume. The loss variants and their
+papers are described in lib/loss.py (options: --loss.*).
 
 Usage:
     python scripts/rl.py @ configs/tiny/rl.toml                                     # CPU
@@ -131,7 +132,7 @@ def main(cfg: Config) -> dict:
     tokenizer = load_tokenizer(cfg.model.name)
     optimizer, scheduler = build_optimizer(model.parameters(), cfg.optim, cfg.steps)
     params = [p for p in model.parameters() if p.requires_grad]
-    # Inference logprobs are of the tempered distribution (DESIGN §4.1); greedy sampling reports temperature 1.
+    # Inference logprobs are of the tempered distribution (the one sampled from); greedy reports temperature 1.
     temperature = cfg.sampling.temperature or 1.0
 
     start = 0

@@ -1,6 +1,6 @@
 """Serves a model over vLLM's HTTP dialect, and takes new weights while it runs.
 
-Two engines behind the same routes (DESIGN §4.1): vLLM on GPUs, and plainrl's builtin PyTorch engine
+Two engines behind the same routes: vLLM on GPUs, and plainrl's builtin PyTorch engine
 (lib/engine.py, lib/server.py) for CPUs, laptops and tests. `--engine auto` picks vLLM when it is
 installed and a GPU is visible, else the builtin engine, and logs which. With vLLM this process becomes
 `vllm serve` (lib/vllm.py lists its flags); the builtin engine is served by uvicorn.
