@@ -15,6 +15,7 @@ Usage:
 import dataclasses
 import os
 from pathlib import Path
+from typing import Literal
 
 from lib.config import StopAfterStep, parse, run_main
 from lib.envs import EnvConfig
@@ -30,14 +31,20 @@ class InferenceConfig:
     """Attach to these servers (base URLs ending in /v1); empty = start one with serve.py."""
     api_key: str | None = None
     """Bearer key of the servers (default: $PLAINRL_API_KEY if set)."""
-    engine: str = "auto"
-    """Engine of the server rl.py starts: auto, torch or vllm."""
+    engine: Literal["auto", "torch", "vllm"] = "auto"
+    """Engine of the server rl.py starts (auto: vLLM when installed and a GPU is visible)."""
     port: int = 0
     """Port of the server rl.py starts (0 = a free one)."""
     gpu_memory_utilization: float = 0.3
-    """vLLM's share of the GPU when it shares one with the trainer."""
+    """GPU memory share of the vLLM server rl.py starts (it shares the GPU with the trainer)."""
     max_concurrent: int = 64
     """Most episodes in flight at once."""
+
+    def __post_init__(self):
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("inference.gpu_memory_utilization must be in (0, 1].")
+        if self.max_concurrent < 1:
+            raise ValueError("inference.max_concurrent must be at least 1.")
 
 
 @dataclasses.dataclass
@@ -169,6 +176,7 @@ def main(cfg: Config) -> dict:
                 api_key,
                 weights_root=run_dir.resolve(),
                 log_path=run_dir / "server.log",
+                extra_args=["--vllm.gpu-memory-utilization", str(cfg.inference.gpu_memory_utilization)],
                 threads=server_threads,
             )
             urls = [server.url]

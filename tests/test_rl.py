@@ -59,6 +59,29 @@ def rl_config_args(model, out, url, *extra) -> list[str]:
     ]
 
 
+def test_the_server_rl_starts_gets_its_share_of_the_gpu(tiny_dir, tmp_path, monkeypatch):
+    from lib.vllm import vllm_command
+
+    serve = load_script("serve")
+    started = {}
+
+    def start_server(model, *args, **kwargs):
+        started.update(kwargs)
+        raise RuntimeError("not started")
+
+    monkeypatch.setattr(client, "start_server", start_server)
+    flags = ["--model.name", str(tiny_dir), "--output-dir", str(tmp_path / "run")]
+    config = parse(
+        rl.Config,
+        ["@", str(ROOT / "configs/tiny/rl.toml"), *flags, "--inference.gpu-memory-utilization", "0.25"],
+    )
+    with pytest.raises(RuntimeError, match="not started"):
+        rl.main(config)
+    served = parse(serve.Config, ["--model.name", str(tiny_dir), *started["extra_args"]])
+    command = vllm_command(str(tiny_dir), "m", "127.0.0.1", 8000, "auto", 0, served.vllm)
+    assert command[command.index("--gpu-memory-utilization") + 1] == "0.25"  # not vLLM's 0.9 default
+
+
 def test_on_policy_ratio_is_one_and_the_server_gets_each_step_weights(tiny_dir, server, tmp_path):
     # An earlier run leaves the attached server on other weights: the next run must start it on its own.
     rl.main(rl_config(tiny_dir, tmp_path / "earlier", server.url, "--steps", "1", "--optim.lr", "3e-2"))
