@@ -3,7 +3,8 @@
 Runs `-n` examples x `-r` rollouts, prints average reward (with its standard deviation), perfect
 rate (reward == 1), pass@k (an example passes when one of k rollouts is perfect; unbiased estimator
 over the -r rollouts), average completion tokens, errors and a few samples, and writes
-outputs/eval/<name>/results.jsonl (one line per rollout) and summary.json. Without `-b`, starts the
+outputs/eval/<name>/results.jsonl (one line per rollout, written as each example's group finishes, so
+an interrupted eval keeps them) and summary.json. Without `-b`, starts the
 builtin server (scripts/serve.py) on the model and stops it afterwards. An episode that fails (server
 error, harness failure, an exception in a reward) is counted as an error with its cause, scores 0 in
 the averages, and never stops the run.
@@ -27,7 +28,7 @@ from typing import Annotated, Literal
 
 import tyro
 
-from lib.config import fail, parse, write_config
+from lib.config import fail, parse, run_main, write_config
 from lib.envs import json_object
 from lib.model import ModelConfig
 from lib.sampling import SamplingConfig
@@ -134,22 +135,30 @@ def summarize(records: list[dict], rollouts_per_example: int) -> dict:
     }
 
 
-async def run_all(vf_env, tasks, ctx, cfg: Config, progress, bar) -> list[list]:
-    """Every rollout of every task, at most cfg.max_concurrent in flight, advancing the progress bar."""
+async def run_all(vf_env, tasks, ctx, cfg: Config, progress, bar, results) -> list[dict]:
+    """Every rollout of every task, at most cfg.max_concurrent in flight, advancing the progress bar.
+
+    Each finished group's records go to `results` (an open file) at once, so an interrupted eval
+    keeps what it has done; returns every record."""
     from lib.envs import episode_reward, run_group, serving
 
     semaphore = asyncio.Semaphore(cfg.max_concurrent)
-    rewards = []
+    rewards, records = [], []
 
     def advance(episode):
         rewards.append(episode_reward(episode))
         progress.update(bar, advance=1, reward=f"avg reward {statistics.fmean(rewards):.3f}")
 
+    async def group(example: int, task):
+        episodes = await run_group(vf_env, task, ctx, cfg.rollouts_per_example, semaphore, advance)
+        lines = [record(example, rollout, episode) for rollout, episode in enumerate(episodes)]
+        results.write("".join(json.dumps(line) + "\n" for line in lines))
+        results.flush()
+        records.extend(lines)
+
     async with serving(vf_env):
-        groups = [
-            run_group(vf_env, task, ctx, cfg.rollouts_per_example, semaphore, advance) for task in tasks
-        ]
-        return await asyncio.gather(*groups)
+        await asyncio.gather(*(group(example, task) for example, task in enumerate(tasks)))
+    return records
 
 
 def main(cfg: Config) -> dict:
@@ -200,16 +209,20 @@ def main(cfg: Config) -> dict:
         columns = [TextColumn("[bold]eval"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn()]
         columns.append(TextColumn("{task.fields[reward]}"))
         start = time.perf_counter()
-        with Progress(*columns, console=console, transient=False) as progress:
+        results = run_dir / "results.jsonl"
+        with Progress(*columns, console=console, transient=False) as progress, open(results, "w") as out:
             bar = progress.add_task("eval", total=total, reward="")
-            groups = asyncio.run(run_all(vf_env, tasks, ctx, cfg, progress, bar))
+            try:
+                records = asyncio.run(run_all(vf_env, tasks, ctx, cfg, progress, bar, out))
+            except KeyboardInterrupt:
+                done = len(results.read_text().splitlines())
+                console.print(f"{done} of {total} rollouts (the groups that finished) are in {results}")
+                raise
         seconds = time.perf_counter() - start
 
     # ---------------------------------------------------------------- results
-    records = [record(i, j, episode) for i, group in enumerate(groups) for j, episode in enumerate(group)]
-    with open(run_dir / "results.jsonl", "w") as f:
-        for line in records:
-            f.write(json.dumps(line) + "\n")
+    records.sort(key=lambda line: (line["example"], line["rollout"]))  # written as groups finished
+    results.write_text("".join(json.dumps(line) + "\n" for line in records))
     summary = {"env": cfg.env, "model": cfg.model.name, **summarize(records, cfg.rollouts_per_example)}
     summary["seconds"] = seconds
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -240,4 +253,4 @@ def main(cfg: Config) -> dict:
 
 
 if __name__ == "__main__":
-    main(parse(Config, description=__doc__))
+    run_main(main, parse(Config, description=__doc__))

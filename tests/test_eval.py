@@ -29,6 +29,8 @@ def evaluate(eval_script, argv: list[str], tmp_path: Path, capsys) -> tuple[dict
     assert lines[0] == lines[-1] == f"run dir: {run_dir}"
     assert json.loads((run_dir / "summary.json").read_text()) == summary
     records = [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines()]
+    order = [(r["example"], r["rollout"]) for r in records]
+    assert order == sorted(order)  # written as groups finish, in order once all have
     return summary, records, lines
 
 
@@ -68,6 +70,41 @@ def test_eval_counts_environment_errors_and_finishes(eval_script, tmp_path, caps
     assert summary["num_errors"] == summary["num_rollouts"] == 4 and summary["avg_reward"] == 0.0
     assert all("toy reward exploded" in record["error"] for record in records)
     assert any("toy reward exploded" in line for line in lines)
+
+
+def test_an_interrupted_eval_keeps_the_groups_that_finished(eval_script, tmp_path, monkeypatch):
+    import asyncio
+    import signal
+
+    import lib.envs
+
+    run_group, started, finished = lib.envs.run_group, [], []
+
+    async def interrupted_after_three_groups(*args, **kwargs):
+        started.append(1)
+        if len(started) <= 3:
+            episodes = await run_group(*args, **kwargs)
+            finished.append(1)
+            return episodes
+        if len(started) == 4:  # the fourth group waits for the first three, then Ctrl-C
+            while len(finished) < 3:
+                await asyncio.sleep(0.01)
+            signal.raise_signal(signal.SIGINT)
+        await asyncio.Event().wait()  # the others never finish
+
+    monkeypatch.setattr(lib.envs, "run_group", interrupted_after_three_groups)
+    with serve(
+        oracle_app(sft_conversations(EnvConfig(id="reverse_text", args=SYNTHETIC, num_examples=6)))
+    ) as url:
+        argv = ["reverse_text", "-m", "oracle", "-b", url, "-n", "6", "-r", "2", "--env-args", SYNTHETIC]
+        config = parse(eval_script.Config, [*argv, "--output-dir", str(tmp_path), "--name", "run"])
+        with pytest.raises(KeyboardInterrupt):
+            eval_script.main(config)
+    records = [json.loads(line) for line in (tmp_path / "run/results.jsonl").read_text().splitlines()]
+    assert sorted((r["example"], r["rollout"]) for r in records) == [
+        (e, r) for e in range(3) for r in range(2)
+    ]
+    assert all(r["reward"] == 1.0 for r in records)
 
 
 def test_eval_rejects_bad_input_in_one_sentence(eval_script):
