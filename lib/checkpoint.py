@@ -160,7 +160,8 @@ def save_weights(run_dir: Path, step: int, model, tokenizer, dtype, keep: int) -
 def rng_state() -> dict:
     import torch
 
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    # This rank's device only: a resume may see fewer GPUs (CUDA_VISIBLE_DEVICES) than the run had.
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
     return {"torch": torch.get_rng_state(), "cuda": cuda, "python": random.getstate()}
 
 
@@ -168,8 +169,8 @@ def set_rng_state(state: dict) -> None:
     import torch
 
     torch.set_rng_state(state["torch"])
-    if state["cuda"]:
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
     random.setstate(state["python"])
 
 

@@ -63,6 +63,19 @@ def is_healthy(base_url: str, api_key: str | None = None, timeout: float = 2.0) 
     return response.status_code == 200
 
 
+def served_model(base_url: str, api_key: str | None = None) -> str:
+    """The model id a running server answers to (the first in GET /v1/models): requests must name it."""
+    try:
+        response = httpx.get(f"{base_url.rstrip('/')}/models", headers=headers(api_key), timeout=30)
+    except httpx.HTTPError as error:
+        raise ValueError(f"cannot reach the inference server {base_url} ({error})") from None
+    if response.status_code != 200:
+        raise ValueError(
+            f"{base_url}/models answered {response.status_code} (a wrong API key, or not an inference server)"
+        )
+    return response.json()["data"][0]["id"]
+
+
 def root_url(base_url: str) -> str:
     """http://host:port/v1 -> http://host:port (where /health and the admin routes live)."""
     return base_url.rstrip("/").removesuffix("/v1")

@@ -12,6 +12,8 @@ def world() -> tuple[int, int, int]:
 def init(device: str) -> str:
     """Joins the process group when torchrun started several processes (nccl on CUDA, gloo on CPU)
     and returns this process's device."""
+    import datetime
+
     import torch
     import torch.distributed as dist
 
@@ -20,7 +22,10 @@ def init(device: str) -> str:
         torch.cuda.set_device(local_rank)
         device = f"cuda:{local_rank}"
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        # Other ranks wait in a collective while rank 0 starts servers (minutes for vLLM) or waits for a
+        # step's rollouts; the 10-minute default would kill them on a slow start or a long episode.
+        timeout = datetime.timedelta(hours=2)
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=timeout)
     return device
 
 

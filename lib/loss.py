@@ -29,35 +29,49 @@ class LossConfig:
 # Everything below runs in the trainer; torch is imported lazily so `--help` stays fast.
 
 
-def token_logp(logits, input_ids, temperature: float = 1.0):
-    """log p(token t | tokens < t) for every position, aligned with input_ids; position 0 gets 0.
+def token_logp(logits, input_ids, temperature: float = 1.0, mask=None):
+    """log p(token t | tokens < t), aligned with input_ids; position 0 (and any position off `mask`) gets 0.
 
     logits: (B, T, V) from the model on input_ids (B, T). The logits are divided by the sampling
     temperature first, because the inference logprobs are those of the distribution actually sampled
     from; without it the ratio at temperature != 1 would not be 1 on-policy.
+    `mask` (B, T), when given, limits the work to those tokens (the loss tokens): the float32 copies of
+    the logits that a log-softmax needs are then (loss tokens, V) rather than (B, T, V), which with a
+    150k-token vocabulary is most of a GPU's memory.
     In packed rows the first token of each sample gets a meaningless value (it is predicted from the
     previous sample); it is a prompt token, outside the loss mask.
     """
     import torch
 
-    logits = logits[:, :-1].float() / temperature  # (B, T-1, V)
-    targets = input_ids[:, 1:].unsqueeze(-1)  # (B, T-1, 1)
-    # gather - logsumexp is log_softmax at the target without materialising a second (B, T, V) tensor.
-    logp = logits.gather(-1, targets).squeeze(-1) - logits.logsumexp(-1)  # (B, T-1)
+    targets = input_ids[:, 1:]  # (B, T-1)
+    keep = torch.ones_like(targets, dtype=torch.bool) if mask is None else mask[:, 1:].bool()  # (B, T-1)
+    picked = logits[:, :-1][keep].float() / temperature  # (N, V), N = kept tokens
+    # gather - logsumexp is log_softmax at the target without materialising a second (N, V) tensor.
+    kept_logp = picked.gather(-1, targets[keep].unsqueeze(-1)).squeeze(-1) - picked.logsumexp(-1)  # (N,)
+    logp = torch.zeros(targets.shape, dtype=kept_logp.dtype, device=logits.device)  # (B, T-1)
+    logp[keep] = kept_logp
     return torch.nn.functional.pad(logp, (1, 0))  # (B, T)
 
 
-def entropy(logits, temperature: float = 1.0):
+def entropy(logits, temperature: float = 1.0, mask=None, chunk: int = 4096):
     """Entropy of the next-token distribution that produced each token, aligned like token_logp.
 
-    A metric only: computed without gradient. logits: (B, T, V) -> (B, T), position 0 gets 0.
+    A metric only: computed without gradient, on `mask` tokens only when given, `chunk` tokens at a
+    time (it needs three float32 (tokens, V) tensors). logits: (B, T, V) -> (B, T), position 0 gets 0.
     """
     import torch
 
     with torch.no_grad():
-        logits = logits[:, :-1].float() / temperature  # (B, T-1, V)
-        logp = logits.log_softmax(-1)  # (B, T-1, V)
-        ent = -(logp.exp() * logp).sum(-1)  # (B, T-1)
+        keep = torch.ones(logits.shape[:2], dtype=torch.bool, device=logits.device)[:, 1:]  # (B, T-1)
+        if mask is not None:
+            keep &= mask[:, 1:].bool()
+        picked = logits[:, :-1][keep]  # (N, V)
+        values = []
+        for first in range(0, picked.shape[0], chunk):
+            logp = (picked[first : first + chunk].float() / temperature).log_softmax(-1)  # (n, V)
+            values.append(-(logp.exp() * logp).sum(-1))  # (n,)
+        ent = torch.zeros(keep.shape, dtype=torch.float32, device=logits.device)  # (B, T-1)
+        ent[keep] = torch.cat(values) if values else ent.new_zeros(0)
         return torch.nn.functional.pad(ent, (1, 0))  # (B, T)
 
 

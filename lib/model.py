@@ -113,8 +113,9 @@ def load_trainable(
 ):
     """The model ready to train: float32 master weights, LoRA if asked, packed-row attention, FSDP2 over ranks.
 
-    Returns (model, save_dtype, autocast): the weights are saved in the dtype the model is meant to run
-    in (bf16 on CUDA by default) and `autocast()` runs the forward in bf16 on CUDA, a no-op on CPU.
+        Returns (model, save_dtype, autocast): the weights are saved in the dtype the model is meant to run
+        in (bf16 on CUDA by default) and `autocast()` runs the forward in bf16 on CUDA (unless model.dtype
+    is float32), a no-op on CPU.
     """
     import contextlib
 
@@ -123,7 +124,8 @@ def load_trainable(
     from lib import dist
     from lib.data import use_packed_attention
 
-    on_gpu = device.startswith("cuda")
+    # bf16 compute on CUDA over float32 master weights, unless float32 was asked for explicitly.
+    bf16_compute = device.startswith("cuda") and model_config.dtype != "float32"
     train_config = dataclasses.replace(
         model_config, dtype="float32" if model_config.dtype == "auto" else model_config.dtype
     )
@@ -144,9 +146,9 @@ def load_trainable(
         model = peft.get_peft_model(model, adapters)
     model.train()
     if world_size > 1:
-        dist.shard(model, bf16=on_gpu)
+        dist.shard(model, bf16=bf16_compute)
 
     def autocast():
-        return torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else contextlib.nullcontext()
+        return torch.autocast("cuda", dtype=torch.bfloat16) if bf16_compute else contextlib.nullcontext()
 
     return model, resolve_dtype(model_config, device.split(":")[0]), autocast

@@ -42,6 +42,8 @@ class Producer:
         self.started = start_version * examples_per_step  # groups started, counted in step units
         self.num_errors = 0
         self.errors: list[str] = []
+        self.failed_in_a_row = 0  # groups that gave nothing to train on, since the last one that did
+        self.last_error = ""
         self.loop = asyncio.new_event_loop()
         self.buffer = Buffer(examples_per_step, max_async_level, normalize_advantage)
         self.semaphore = asyncio.Semaphore(max_concurrent)
@@ -58,6 +60,8 @@ class Producer:
         """Blocks until the step's groups are ready (re-raising a failure of the producer)."""
         future = asyncio.run_coroutine_threadsafe(self.buffer.take(step), self.loop)
         while True:
+            if isinstance(self.failure, ValueError):  # every episode fails: one sentence, no traceback
+                raise self.failure
             if self.failure is not None:
                 raise RuntimeError("the rollout producer failed") from self.failure
             try:
@@ -137,8 +141,7 @@ class Producer:
             episodes = await asyncio.gather(*(one() for _ in range(self.group_size)))
         except Exception as error:  # a failing group must not stop the run; it is counted and logged
             self._error(f"{type(error).__name__}: {error}")
-            self.started -= 1  # sample a replacement so the step still gets its groups
-            self.wakeup.set()
+            self._replace_failed_group()
             return
         group = []
         for episode in episodes:
@@ -158,12 +161,27 @@ class Producer:
                 for s in samples
             ]
         if len(group) < 2:
-            self.started -= 1
-            self.wakeup.set()
+            self._replace_failed_group()
             return
+        self.failed_in_a_row = 0
         self.buffer.put(group)
+
+    def _replace_failed_group(self) -> None:
+        """Samples a replacement so the step still gets its groups, unless nothing works at all: then
+        the run stops with the last error rather than retrying forever in silence."""
+        self.failed_in_a_row += 1
+        if self.failed_in_a_row >= 4 * self.examples_per_step:
+            last = self.last_error or "no episode gave two rollouts"
+            self.failure = ValueError(
+                f"the last {self.failed_in_a_row} groups all failed (last error: {last}); check the "
+                "servers (model name, URL, API key) and the environment's args"
+            )
+            return
+        self.started -= 1
+        self.wakeup.set()
 
     def _error(self, message: str) -> None:
         self.num_errors += 1
+        self.last_error = message
         if len(self.errors) < 20:
             self.errors.append(message)

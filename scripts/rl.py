@@ -73,6 +73,8 @@ class Config:
     """Packed rows per forward/backward on one rank."""
     seq_len: int = 4096
     """Tokens per packed training row (the longest episode must fit)."""
+    activation_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
     packing: bool = True
     """Pack several rollouts per row of seq_len; off = one padded row per rollout, which is faster for
     short rollouts of similar length on CPU (one attention call per micro-batch, not one per rollout)."""
@@ -135,7 +137,9 @@ def main(cfg: Config) -> dict:
     # ------------------------------------------------------------ dist and model
     device = dist.init(resolve_device(cfg.model))
     torch.manual_seed(cfg.seed)
-    model, save_dtype, autocast = load_trainable(cfg.model, cfg.lora, device, world_size, cfg.packing)
+    model, save_dtype, autocast = load_trainable(
+        cfg.model, cfg.lora, device, world_size, cfg.packing, cfg.activation_checkpointing
+    )
     tokenizer = load_tokenizer(cfg.model.name)
     optimizer, scheduler = build_optimizer(model.parameters(), cfg.optim, cfg.steps)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -176,14 +180,22 @@ def main(cfg: Config) -> dict:
                 api_key,
                 weights_root=run_dir.resolve(),
                 log_path=run_dir / "server.log",
-                extra_args=["--vllm.gpu-memory-utilization", str(cfg.inference.gpu_memory_utilization)],
+                extra_args=[
+                    *("--vllm.gpu-memory-utilization", str(cfg.inference.gpu_memory_utilization)),
+                    # No episode longer than the trainer's rows; the model's own limit (262k tokens for
+                    # some) would ask for more KV cache than a shared GPU has, and vLLM would not start.
+                    *("--vllm.max-model-len", str(cfg.seq_len)),
+                ],
                 threads=server_threads,
             )
             urls = [server.url]
         env = envs.load_env(cfg.env)
         tasks = envs.load_tasks(env, cfg.env)
+        # An attached server may serve the run's starting point under another name (the hub id it was
+        # started with, say); it gets this run's weights below, and requests must use its name.
+        names = [client.served_model(url, api_key) if cfg.inference.urls else cfg.model.name for url in urls]
         contexts = [
-            envs.model_context(url, cfg.model.name, cfg.sampling, api_key, train=True) for url in urls
+            envs.model_context(url, name, cfg.sampling, api_key, train=True) for url, name in zip(urls, names)
         ]
         say(f"env {cfg.env.id}: {len(tasks)} examples; {len(urls)} server(s): {' '.join(urls)}")
     if start or cfg.inference.urls:
@@ -240,7 +252,7 @@ def main(cfg: Config) -> dict:
                         logits = model(
                             input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False
                         ).logits
-                    logp = token_logp(logits, mb.input_ids, temperature)  # (R, T)
+                    logp = token_logp(logits, mb.input_ids, temperature, mb.loss_mask)  # (R, T)
                     loss, metrics = policy_loss(
                         logp, mb.inference_logp, mb.advantages, mb.loss_mask, num_loss_tokens, cfg.loss
                     )
@@ -248,7 +260,7 @@ def main(cfg: Config) -> dict:
                     (loss * world_size).backward()
                     sums["loss"] += loss.item()
                     sums["entropy"] += token_share(
-                        entropy(logits, temperature), mb.loss_mask, num_loss_tokens
+                        entropy(logits, temperature, mb.loss_mask), mb.loss_mask, num_loss_tokens
                     ).item()
                     for name, value in metrics.items():
                         sums[name] = sums.get(name, 0.0) + value.item()

@@ -169,6 +169,23 @@ def test_token_logp_and_entropy_align_with_input_ids():
     assert entropy(torch.zeros(1, 3, 8))[0, 1:].tolist() == pytest.approx([math.log(8)] * 2)
 
 
+def test_logp_and_entropy_on_the_loss_tokens_only_equal_the_full_ones_there():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 7, 11, requires_grad=True)  # (B, T, V)
+    input_ids = torch.randint(0, 11, (3, 7))
+    mask = torch.rand(3, 7) < 0.4
+    mask[:, 0] = False  # position 0 is never a loss token (nothing predicts it)
+    full, masked = token_logp(logits, input_ids, 0.7), token_logp(logits, input_ids, 0.7, mask)
+    torch.testing.assert_close(masked[mask], full[mask])
+    assert masked[~mask].abs().sum() == 0
+    (grad_full,) = torch.autograd.grad((full * mask).sum(), logits)
+    (grad_masked,) = torch.autograd.grad(masked.sum(), logits)
+    torch.testing.assert_close(grad_masked, grad_full)
+    whole, part = entropy(logits, 0.7), entropy(logits, 0.7, mask, chunk=2)  # chunks of 2 tokens
+    torch.testing.assert_close(part[mask], whole[mask])
+    assert part[~mask].abs().sum() == 0
+
+
 def test_config_rejects_bad_values():
     with pytest.raises(ValueError):
         LossConfig(mask_threshold=0)

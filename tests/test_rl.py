@@ -1,6 +1,7 @@
 """rl.py end to end on the tiny model: on-policy ratio, weight sync, staleness, kill -9 and resume."""
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -59,7 +60,9 @@ def rl_config_args(model, out, url, *extra) -> list[str]:
     ]
 
 
-def test_the_server_rl_starts_gets_its_share_of_the_gpu(tiny_dir, tmp_path, monkeypatch):
+def test_the_server_rl_starts_gets_its_share_of_the_gpu_and_the_trainers_length(
+    tiny_dir, tmp_path, monkeypatch
+):
     from lib.vllm import vllm_command
 
     serve = load_script("serve")
@@ -80,6 +83,20 @@ def test_the_server_rl_starts_gets_its_share_of_the_gpu(tiny_dir, tmp_path, monk
     served = parse(serve.Config, ["--model.name", str(tiny_dir), *started["extra_args"]])
     command = vllm_command(str(tiny_dir), "m", "127.0.0.1", 8000, "auto", 0, served.vllm)
     assert command[command.index("--gpu-memory-utilization") + 1] == "0.25"  # not vLLM's 0.9 default
+    assert command[command.index("--max-model-len") + 1] == str(config.seq_len)  # not the model's own limit
+
+
+def test_an_attached_server_may_serve_the_model_under_another_name(tiny_dir, server, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_dir, copy)  # the run's model.name differs from the name the server answers to
+    result = rl.main(rl_config(copy, tmp_path / "run", server.url, "--steps", "1"))
+    assert len(result["history"]) == 1
+
+
+def test_a_run_whose_every_episode_fails_stops_with_the_error(tiny_dir, server, tmp_path):
+    failing = ["--env.id", "toy_taskset", "--env.args", '{"fail_in_reward": true}']
+    with pytest.raises(ValueError, match="groups all failed .*toy reward exploded"):
+        rl.main(rl_config(tiny_dir, tmp_path / "run", server.url, *failing))
 
 
 def test_on_policy_ratio_is_one_and_the_server_gets_each_step_weights(tiny_dir, server, tmp_path):
@@ -113,6 +130,12 @@ def test_on_policy_ratio_is_one_and_the_server_gets_each_step_weights(tiny_dir, 
         logp = model(ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
     expected = logp[len(prompt) - 1 :].tolist()
     assert max(abs(a - b) for a, b in zip(choice["logprobs"]["token_logprobs"], expected)) < 1e-4
+
+
+def test_activation_checkpointing_keeps_the_step_on_policy(tiny_dir, server, tmp_path):
+    flags = ("--max-async-level", "0", "--steps", "1", "--activation-checkpointing")
+    (metrics,) = rl.main(rl_config(tiny_dir, tmp_path / "run", server.url, *flags))["history"]
+    assert metrics["train/loss"] != 0.0 and abs(metrics["train/importance_ratio"] - 1.0) < 1e-3, metrics
 
 
 def test_async_level_two_runs_and_logs_staleness(tiny_dir, server, tmp_path):
