@@ -37,7 +37,10 @@ R ?= 3
 ifeq ($(NPROC)$(NNODES),11)
 LAUNCH := $(PY)
 else
-LAUNCH := $(VENV)/bin/torchrun --nnodes $(NNODES) --node-rank $(NODE_RANK) --nproc-per-node $(NPROC) --rdzv-endpoint $(RDZV_ENDPOINT)
+# --shutdown-timeout: after a Ctrl-C, the workers finish and checkpoint their step (torchrun's default
+# is to kill them 30 s later).
+LAUNCH := $(VENV)/bin/torchrun --nnodes $(NNODES) --node-rank $(NODE_RANK) --nproc-per-node $(NPROC) \
+	--rdzv-endpoint $(RDZV_ENDPOINT) --shutdown-timeout 600
 endif
 EVAL_ENV := $(if $(filter tiny,$(ENV)),reverse_text,$(ENV))#  the tiny presets run reverse_text
 KEY := $(if $(API_KEY),PLAINRL_API_KEY=$(API_KEY) )
@@ -77,19 +80,19 @@ demo: setup  ## CPU demo: tiny model, SFT, eval, RL, eval, reward plot (about 10
 	$(PY) scripts/demo.py
 
 sft: setup  ## supervised warm-up: make sft ENV=reverse_text|tiny [NPROC=8] [MODEL=...]
-	$(strip $(LAUNCH) scripts/sft.py @ configs/$(ENV)/sft.toml $(MODEL_FLAG) $(OUT_FLAG) $(ARGS))
+	$(strip $(LAUNCH) scripts/sft.py @ configs/$(ENV)/sft.toml $(MODEL_FLAG) $(OUT_FLAG)) $(ARGS)
 
 rl: setup  ## RL: make rl ENV=reverse_text|alphabet_sort|tiny [INFERENCE_URL=...] [NPROC=...]
 	$(strip $(KEY)$(LAUNCH) scripts/rl.py @ configs/$(ENV)/rl.toml $(MODEL_FLAG) $(OUT_FLAG) \
-		$(if $(INFERENCE_URL),--inference.urls $(INFERENCE_URL)) $(ARGS))
+		$(if $(INFERENCE_URL),--inference.urls $(INFERENCE_URL))) $(ARGS)
 
 eval: setup  ## evaluate: make eval ENV=reverse_text MODEL=... [BASE_URL=http://host:8000/v1] [N=20 R=3]
 	$(strip $(KEY)$(PY) scripts/eval.py $(EVAL_ENV) @ configs/$(ENV)/eval.toml $(MODEL_FLAG) -n $(N) -r $(R) \
-		$(if $(BASE_URL),-b $(BASE_URL)) $(ARGS))
+		$(if $(BASE_URL),-b $(BASE_URL))) $(ARGS)
 
 serve: setup  ## serve: make serve MODEL=DIR [PORT=8000] [ENGINE=auto|torch|vllm] [TP= DP= ... HEADLESS=1]
 	$(strip $(KEY)$(PY) scripts/serve.py --model.name $(or $(MODEL),$(TINY_DIR)) --port $(PORT) --engine $(ENGINE) \
-		$(if $(HOST),--host $(HOST)) $(VLLM_FLAGS) $(ARGS))
+		$(if $(HOST),--host $(HOST)) $(VLLM_FLAGS)) $(ARGS)
 
 tensorboard: setup  ## tensorboard over every run in outputs/
 	$(VENV)/bin/tensorboard --logdir outputs

@@ -169,7 +169,8 @@ def set_rng_state(state: dict) -> None:
     import torch
 
     torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
+    # Checkpoints from before kept a list (one state per device): their CUDA RNG is not restored.
+    if isinstance(state["cuda"], torch.Tensor) and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     random.setstate(state["python"])
 

@@ -65,15 +65,22 @@ def is_healthy(base_url: str, api_key: str | None = None, timeout: float = 2.0) 
 
 def served_model(base_url: str, api_key: str | None = None) -> str:
     """The model id a running server answers to (the first in GET /v1/models): requests must name it."""
+    base_url = base_url.rstrip("/")
+    if not base_url.endswith("/v1"):
+        raise ValueError(f"the base URL must end in /v1, e.g. http://localhost:8000/v1, got {base_url}.")
     try:
-        response = httpx.get(f"{base_url.rstrip('/')}/models", headers=headers(api_key), timeout=30)
+        response = httpx.get(f"{base_url}/models", headers=headers(api_key), timeout=30)
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
+    except httpx.HTTPStatusError as error:
+        status = error.response.status_code
+        raise ValueError(
+            f"{base_url}/models answered {status} (a wrong API key, or not an inference server)"
+        ) from None
     except httpx.HTTPError as error:
         raise ValueError(f"cannot reach the inference server {base_url} ({error})") from None
-    if response.status_code != 200:
-        raise ValueError(
-            f"{base_url}/models answered {response.status_code} (a wrong API key, or not an inference server)"
-        )
-    return response.json()["data"][0]["id"]
+    except (ValueError, LookupError, TypeError):
+        raise ValueError(f"{base_url}/models does not list a model: is it an inference server?") from None
 
 
 def root_url(base_url: str) -> str:
@@ -116,18 +123,21 @@ def start_server(
         )
     server = Server(process, f"http://127.0.0.1:{port}/v1", log_path)
     deadline = time.monotonic() + timeout
-    while not is_healthy(server.url, api_key):
-        exited = process.poll() is not None
-        if exited or time.monotonic() > deadline:
-            server.stop()
-            reason = (
-                f"exited with code {process.returncode}"
-                if exited
-                else f"was not healthy after {timeout:.0f} s"
-            )
-            tail = log_path.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"the inference server {reason}; end of {log_path}:\n{tail}")
-        time.sleep(0.2)
+    try:
+        while not is_healthy(server.url, api_key):
+            exited = process.poll() is not None
+            if exited or time.monotonic() > deadline:
+                reason = (
+                    f"exited with code {process.returncode}"
+                    if exited
+                    else f"was not healthy after {timeout:.0f} s"
+                )
+                tail = log_path.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"the inference server {reason}; end of {log_path}:\n{tail}")
+            time.sleep(0.2)
+    except BaseException:  # also Ctrl-C: in its own process group, the server does not get it
+        server.stop()
+        raise
     return server
 
 

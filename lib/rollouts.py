@@ -4,9 +4,13 @@ import asyncio
 import contextlib
 import itertools
 import threading
+import time
 
 from lib import envs
 from lib.buffer import Buffer, Rollout, StepBatch
+
+# A run stops when no group has succeeded for this long (and many have failed): nothing works.
+FAILURE_PATIENCE_S = 60.0
 
 
 class Producer:
@@ -43,6 +47,7 @@ class Producer:
         self.num_errors = 0
         self.errors: list[str] = []
         self.failed_in_a_row = 0  # groups that gave nothing to train on, since the last one that did
+        self.last_success = time.monotonic()
         self.last_error = ""
         self.loop = asyncio.new_event_loop()
         self.buffer = Buffer(examples_per_step, max_async_level, normalize_advantage)
@@ -56,8 +61,9 @@ class Producer:
     def start(self) -> None:
         self.thread.start()
 
-    def take(self, step: int) -> StepBatch:
-        """Blocks until the step's groups are ready (re-raising a failure of the producer)."""
+    def take(self, step: int, report=None) -> StepBatch:
+        """Blocks until the step's groups are ready (re-raising a failure of the producer); while it
+        waits, `report(message)` gets each rollout error as it comes."""
         future = asyncio.run_coroutine_threadsafe(self.buffer.take(step), self.loop)
         while True:
             if isinstance(self.failure, ValueError):  # every episode fails: one sentence, no traceback
@@ -67,7 +73,8 @@ class Producer:
             try:
                 return future.result(timeout=0.5)
             except TimeoutError:
-                continue
+                for message in self.pop_errors() if report else []:
+                    report(message)
 
     def pop_errors(self) -> list[str]:
         """Error messages since the last call (at most 20 are kept between calls)."""
@@ -163,22 +170,28 @@ class Producer:
         if len(group) < 2:
             self._replace_failed_group()
             return
-        self.failed_in_a_row = 0
+        self.failed_in_a_row, self.last_success = 0, time.monotonic()
         self.buffer.put(group)
 
     def _replace_failed_group(self) -> None:
-        """Samples a replacement so the step still gets its groups, unless nothing works at all: then
-        the run stops with the last error rather than retrying forever in silence."""
+        """Samples a replacement so the step still gets its groups (after a pause once failures pile
+        up, as in an outage), unless nothing has worked for FAILURE_PATIENCE_S: then the run stops
+        with the last error rather than retrying forever in silence."""
         self.failed_in_a_row += 1
-        if self.failed_in_a_row >= 4 * self.examples_per_step:
+        quiet = time.monotonic() - self.last_success
+        if self.failed_in_a_row >= 4 * self.examples_per_step and quiet >= FAILURE_PATIENCE_S:
             last = self.last_error or "no episode gave two rollouts"
             self.failure = ValueError(
-                f"the last {self.failed_in_a_row} groups all failed (last error: {last}); check the "
-                "servers (model name, URL, API key) and the environment's args"
+                f"no group of rollouts succeeded for {quiet:.0f} s ({self.failed_in_a_row} failed in a row; "
+                f"last error: {last}); check the servers (model name, URL, API key) and the environment's args"
             )
             return
-        self.started -= 1
-        self.wakeup.set()
+
+        def replace():
+            self.started -= 1
+            self.wakeup.set()
+
+        self.loop.call_later(1.0 if self.failed_in_a_row >= self.examples_per_step else 0.0, replace)
 
     def _error(self, message: str) -> None:
         self.num_errors += 1

@@ -162,73 +162,85 @@ def main(cfg: Config) -> dict:
         return time.perf_counter() - began
 
     # ------------------------------------------------------------ inference and rollouts (rank 0)
-    producer, server, urls, api_key = None, None, [], None
-    if is_main:
-        api_key = cfg.inference.api_key or os.environ.get("PLAINRL_API_KEY")
-        urls = list(cfg.inference.urls)
-        if not urls:
-            server_threads = None
-            if device == "cpu":  # trainer and server share the cores: split them rather than oversubscribe
-                cores = os.cpu_count() or 2
-                server_threads = max(1, cores // 2)
-                # On-policy, the server idles while the trainer trains: the trainer takes every core.
-                torch.set_num_threads(cores if cfg.max_async_level == 0 else max(1, cores - server_threads))
-            server = client.start_server(
-                cfg.model.name,
-                cfg.inference.port or None,
-                cfg.inference.engine,
-                api_key,
-                weights_root=run_dir.resolve(),
-                log_path=run_dir / "server.log",
-                extra_args=[
-                    *("--vllm.gpu-memory-utilization", str(cfg.inference.gpu_memory_utilization)),
-                    # No episode longer than the trainer's rows; the model's own limit (262k tokens for
-                    # some) would ask for more KV cache than a shared GPU has, and vLLM would not start.
-                    *("--vllm.max-model-len", str(cfg.seq_len)),
-                ],
-                threads=server_threads,
-            )
-            urls = [server.url]
-        env = envs.load_env(cfg.env)
-        tasks = envs.load_tasks(env, cfg.env)
-        # An attached server may serve the run's starting point under another name (the hub id it was
-        # started with, say); it gets this run's weights below, and requests must use its name.
-        names = [client.served_model(url, api_key) if cfg.inference.urls else cfg.model.name for url in urls]
-        contexts = [
-            envs.model_context(url, name, cfg.sampling, api_key, train=True) for url, name in zip(urls, names)
-        ]
-        say(f"env {cfg.env.id}: {len(tasks)} examples; {len(urls)} server(s): {' '.join(urls)}")
-    if start or cfg.inference.urls:
-        # A started server loads model.name; bring it to the resumed weights. An attached one may still
-        # hold another run's weights: load this run's starting point, or step 1 would be off-policy.
-        publish(start)
-    if is_main:
-        producer = Producer(
-            env,
-            tasks,
-            contexts,
-            cfg.rollouts_per_example,
-            cfg.examples_per_step,
-            cfg.max_async_level,
-            cfg.inference.max_concurrent,
-            cfg.normalize_advantage,
-            cfg.env.id,
-            start_version=start,
-            start_index=start * cfg.examples_per_step,
-        )
-        producer.start()
-
-    # ------------------------------------------------------------ loop
-    log = RunLog(run_dir, cfg.steps, start, is_main, print_every=1)
-    history, weights, flat_steps = [], None, 0
-    stop = StopAfterStep()
+    producer, server, urls, api_key, stop, log = None, None, [], None, None, None
     try:
+        if is_main:
+            api_key = cfg.inference.api_key or os.environ.get("PLAINRL_API_KEY")
+            urls = list(cfg.inference.urls)
+            if not urls:
+                # No episode longer than the trainer's rows, nor than the model's own context.
+                max_model_len = min(
+                    cfg.seq_len, getattr(model.config, "max_position_embeddings", cfg.seq_len)
+                )
+                server_threads = None
+                # On CPU, trainer and server share the cores: split them rather than oversubscribe.
+                if device == "cpu":
+                    cores = os.cpu_count() or 2
+                    server_threads = max(1, cores // 2)
+                    # On-policy, the server idles while the trainer trains: the trainer takes every core.
+                    torch.set_num_threads(
+                        cores if cfg.max_async_level == 0 else max(1, cores - server_threads)
+                    )
+                server = client.start_server(
+                    cfg.model.name,
+                    cfg.inference.port or None,
+                    cfg.inference.engine,
+                    api_key,
+                    weights_root=run_dir.resolve(),
+                    log_path=run_dir / "server.log",
+                    extra_args=[
+                        *("--vllm.gpu-memory-utilization", str(cfg.inference.gpu_memory_utilization)),
+                        # The model's own limit (262k tokens for some) would ask for more KV cache than a
+                        # shared GPU has, and vLLM would not start.
+                        *("--vllm.max-model-len", str(max_model_len)),
+                    ],
+                    threads=server_threads,
+                )
+                urls = [server.url]
+            env = envs.load_env(cfg.env)
+            tasks = envs.load_tasks(env, cfg.env)
+            # An attached server may serve the starting point under another name (the hub id it was
+            # started with, say): requests use that name, and it gets this run's weights below. The
+            # prompts are rendered here, as for any run, with model.name's tokenizer and renderer.
+            names = [
+                client.served_model(url, api_key) if cfg.inference.urls else cfg.model.name for url in urls
+            ]
+            renderer = envs.renderer_name(cfg.model.name)
+            contexts = [
+                envs.model_context(url, name, cfg.sampling, api_key, True, cfg.model.name, renderer)
+                for url, name in zip(urls, names)
+            ]
+            say(f"env {cfg.env.id}: {len(tasks)} examples; {len(urls)} server(s): {' '.join(urls)}")
+        if start or cfg.inference.urls:
+            # A started server loads model.name; bring it to the resumed weights. An attached one may
+            # hold another run's weights: load this run's starting point, or step 1 would be off-policy.
+            publish(start)
+        if is_main:
+            producer = Producer(
+                env,
+                tasks,
+                contexts,
+                cfg.rollouts_per_example,
+                cfg.examples_per_step,
+                cfg.max_async_level,
+                cfg.inference.max_concurrent,
+                cfg.normalize_advantage,
+                cfg.env.id,
+                start_version=start,
+                start_index=start * cfg.examples_per_step,
+            )
+            producer.start()
+
+        # -------------------------------------------------------- loop
+        log = RunLog(run_dir, cfg.steps, start, is_main, print_every=1)
+        history, weights, flat_steps = [], None, 0
+        stop = StopAfterStep()
         for step in range(start, cfg.steps):
             began = time.perf_counter()
             # Rank 0 takes the step's groups and splits the packed micro-batches over the ranks.
             shares = [None] * world_size
             if is_main:
-                batch = producer.take(step)
+                batch = producer.take(step, report=lambda message: log.print(f"rollout error: {message}"))
                 micro_batches = pack(
                     batch.rollouts,
                     cfg.seq_len,
@@ -340,12 +352,14 @@ def main(cfg: Config) -> dict:
             if done % cfg.checkpoint_every == 0 or done == cfg.steps or stopping:
                 progress = {"world_size": world_size}
                 save_checkpoint(run_dir, done, model, optimizer, scheduler, progress, cfg.keep_checkpoints)
-            if stopping:
+            if stopping and done < cfg.steps:
                 log.print(f"stopped after step {done}: checkpoints/step_{done} saved")
                 raise KeyboardInterrupt  # run_main ends the run with the resume hint
     finally:
-        stop.close()
-        log.close()
+        if stop is not None:
+            stop.close()
+        if log is not None:
+            log.close()
         if producer is not None:
             producer.stop()
         if server is not None:

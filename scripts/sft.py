@@ -207,7 +207,7 @@ def main(cfg: Config) -> dict:
                 progress = {"samples_seen": done * cfg.batch_size, "world_size": world_size}
                 save_checkpoint(run_dir, done, model, optimizer, scheduler, progress, cfg.keep_checkpoints)
                 log.print(f"saved {weights} and checkpoints/step_{done}")
-            if stopping:
+            if stopping and done < cfg.steps:
                 raise KeyboardInterrupt  # run_main ends the run with the resume hint
     finally:
         stop.close()

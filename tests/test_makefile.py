@@ -34,7 +34,7 @@ CASES = {
     ),
     "sft 8 GPUs": (
         ("sft", {"ENV": "reverse_text", "NPROC": "8"}),
-        ".venv/bin/torchrun --nnodes 1 --node-rank 0 --nproc-per-node 8 --rdzv-endpoint localhost:29500 "
+        ".venv/bin/torchrun --nnodes 1 --node-rank 0 --nproc-per-node 8 --rdzv-endpoint localhost:29500 --shutdown-timeout 600 "
         "scripts/sft.py @ configs/reverse_text/sft.toml",
     ),
     "rl single node": (
@@ -66,7 +66,7 @@ CASES = {
                 "INFERENCE_URL": "http://10.0.0.3:8000/v1 http://10.0.0.4:8000/v1",
             },
         ),
-        ".venv/bin/torchrun --nnodes 2 --node-rank 1 --nproc-per-node 8 --rdzv-endpoint 10.0.0.1:29500 "
+        ".venv/bin/torchrun --nnodes 2 --node-rank 1 --nproc-per-node 8 --rdzv-endpoint 10.0.0.1:29500 --shutdown-timeout 600 "
         "scripts/rl.py @ configs/reverse_text/rl.toml --inference.urls http://10.0.0.3:8000/v1 http://10.0.0.4:8000/v1",
     ),
     "serve cpu": (

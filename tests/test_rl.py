@@ -66,24 +66,26 @@ def test_the_server_rl_starts_gets_its_share_of_the_gpu_and_the_trainers_length(
     from lib.vllm import vllm_command
 
     serve = load_script("serve")
-    started = {}
 
     def start_server(model, *args, **kwargs):
-        started.update(kwargs)
-        raise RuntimeError("not started")
+        raise RuntimeError(kwargs["extra_args"])
+
+    def vllm_flags(*flags) -> list[str]:
+        preset = ["@", str(ROOT / "configs/tiny/rl.toml"), "--model.name", str(tiny_dir)]
+        config = parse(rl.Config, [*preset, "--output-dir", str(tmp_path / "run"), *flags])
+        with pytest.raises(RuntimeError) as started:
+            rl.main(config)
+        served = parse(serve.Config, ["--model.name", str(tiny_dir), *started.value.args[0]])
+        return vllm_command(str(tiny_dir), "m", "127.0.0.1", 8000, "auto", 0, served.vllm)
 
     monkeypatch.setattr(client, "start_server", start_server)
-    flags = ["--model.name", str(tiny_dir), "--output-dir", str(tmp_path / "run")]
-    config = parse(
-        rl.Config,
-        ["@", str(ROOT / "configs/tiny/rl.toml"), *flags, "--inference.gpu-memory-utilization", "0.25"],
-    )
-    with pytest.raises(RuntimeError, match="not started"):
-        rl.main(config)
-    served = parse(serve.Config, ["--model.name", str(tiny_dir), *started["extra_args"]])
-    command = vllm_command(str(tiny_dir), "m", "127.0.0.1", 8000, "auto", 0, served.vllm)
+    command = vllm_flags("--inference.gpu-memory-utilization", "0.25", "--seq-len", "1024")
     assert command[command.index("--gpu-memory-utilization") + 1] == "0.25"  # not vLLM's 0.9 default
-    assert command[command.index("--max-model-len") + 1] == str(config.seq_len)  # not the model's own limit
+    assert (
+        command[command.index("--max-model-len") + 1] == "1024"
+    )  # the trainer's rows, not the model's limit
+    command = vllm_flags("--seq-len", "4096")
+    assert command[command.index("--max-model-len") + 1] == "2048"  # the tiny model's own limit is lower
 
 
 def test_an_attached_server_may_serve_the_model_under_another_name(tiny_dir, server, tmp_path):
@@ -93,9 +95,12 @@ def test_an_attached_server_may_serve_the_model_under_another_name(tiny_dir, ser
     assert len(result["history"]) == 1
 
 
-def test_a_run_whose_every_episode_fails_stops_with_the_error(tiny_dir, server, tmp_path):
+def test_a_run_whose_every_episode_fails_stops_with_the_error(tiny_dir, server, tmp_path, monkeypatch):
+    import lib.rollouts
+
+    monkeypatch.setattr(lib.rollouts, "FAILURE_PATIENCE_S", 2.0)  # 60 s in a run
     failing = ["--env.id", "toy_taskset", "--env.args", '{"fail_in_reward": true}']
-    with pytest.raises(ValueError, match="groups all failed .*toy reward exploded"):
+    with pytest.raises(ValueError, match="no group of rollouts succeeded for .*toy reward exploded"):
         rl.main(rl_config(tiny_dir, tmp_path / "run", server.url, *failing))
 
 
@@ -179,7 +184,8 @@ def own_server_command(tiny_dir, out, *extra) -> list[str]:
 def test_kill_9_then_resume_continues_from_the_last_checkpoint(tiny_dir, tmp_path):
     out = tmp_path / "run"
     command = own_server_command(tiny_dir, out, "--steps", "40", "--checkpoint-every", "4")
-    # Its own process group, so kill -9 takes the server it started along (as a killed job would).
+    # Killed with its process group, as a killed job would be; the server it started (in a group of its
+    # own) follows through PR_SET_PDEATHSIG.
     env = {**os.environ, "PYTHONPATH": str(FIXTURES)}
     process = subprocess.Popen(
         command,
