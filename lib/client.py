@@ -63,11 +63,17 @@ def is_healthy(base_url: str, api_key: str | None = None, timeout: float = 2.0) 
     return response.status_code == 200
 
 
-def served_model(base_url: str, api_key: str | None = None) -> str:
-    """The model id a running server answers to (the first in GET /v1/models): requests must name it."""
+def check_base_url(base_url: str, name: str = "the base URL") -> str:
+    """The OpenAI-style base URL without a trailing slash; ValueError unless it ends in /v1."""
     base_url = base_url.rstrip("/")
     if not base_url.endswith("/v1"):
-        raise ValueError(f"the base URL must end in /v1, e.g. http://localhost:8000/v1, got {base_url}.")
+        raise ValueError(f"{name} must end in /v1, e.g. http://localhost:8000/v1, got {base_url}.")
+    return base_url
+
+
+def served_model(base_url: str, api_key: str | None = None) -> str:
+    """The model id a running server answers to (the first in GET /v1/models): requests must name it."""
+    base_url = check_base_url(base_url)
     try:
         response = httpx.get(f"{base_url}/models", headers=headers(api_key), timeout=30)
         response.raise_for_status()

@@ -168,6 +168,9 @@ def _tyro_message(captured: str) -> str:
             lines.append(body)
     text = " ".join(lines) or captured.strip() or "invalid arguments."
     text = re.sub(r"^(Error parsing )?\w*Config: ", "", text).replace("Error parsing ", "")
+    text = re.sub(
+        r"^(\w+): (?=\1[._])", "", text
+    )  # "sampling: sampling.top_p must ..." -> "sampling.top_p must ..."
     return text.rstrip(".") + "."
 
 

@@ -201,9 +201,9 @@ def model_context(
     """
     import verifiers.v1 as vf
 
-    base_url = base_url.rstrip("/")
-    if not base_url.endswith("/v1"):
-        raise ValueError(f"the base URL must end in /v1, e.g. http://localhost:8000/v1, got {base_url}.")
+    from lib.client import check_base_url
+
+    base_url = check_base_url(base_url)
     if api_key:
         os.environ[API_KEY_VAR] = api_key  # verifiers' clients read the key from the environment only
     values = {"temperature": sampling.temperature, "top_p": sampling.top_p, "max_tokens": sampling.max_tokens}

@@ -62,9 +62,10 @@ def entropy(logits, temperature: float = 1.0, mask=None, chunk: int = 4096):
     import torch
 
     with torch.no_grad():
-        keep = torch.ones(logits.shape[:2], dtype=torch.bool, device=logits.device)[:, 1:]  # (B, T-1)
-        if mask is not None:
-            keep &= mask[:, 1:].bool()
+        shape = (logits.shape[0], logits.shape[1] - 1)
+        keep = (
+            torch.ones(shape, dtype=torch.bool, device=logits.device) if mask is None else mask[:, 1:].bool()
+        )
         picked = logits[:, :-1][keep]  # (N, V)
         values = []
         for first in range(0, picked.shape[0], chunk):

@@ -113,8 +113,8 @@ def load_trainable(
 ):
     """The model ready to train: float32 master weights, LoRA if asked, packed-row attention, FSDP2 over ranks.
 
-        Returns (model, save_dtype, autocast): the weights are saved in the dtype the model is meant to run
-        in (bf16 on CUDA by default) and `autocast()` runs the forward in bf16 on CUDA (unless model.dtype
+    Returns (model, save_dtype, autocast): the weights are saved in the dtype the model is meant to run
+    in (bf16 on CUDA by default) and `autocast()` runs the forward in bf16 on CUDA (unless model.dtype
     is float32), a no-op on CPU.
     """
     import contextlib

@@ -28,6 +28,7 @@ from typing import Annotated, Literal
 
 import tyro
 
+from lib.client import check_base_url
 from lib.config import fail, parse, run_main, write_config
 from lib.envs import json_object
 from lib.model import ModelConfig
@@ -72,8 +73,8 @@ class Config:
             raise ValueError("rollouts_per_example must be at least 1.")
         if self.max_concurrent < 1:
             raise ValueError("max_concurrent must be at least 1.")
-        if self.base_url is not None and not self.base_url.rstrip("/").endswith("/v1"):
-            raise ValueError(f"base_url must end in /v1, e.g. http://localhost:8000/v1, got {self.base_url}.")
+        if self.base_url is not None:
+            check_base_url(self.base_url, "base_url")
         json_object(self.env_args, "env_args")
 
 

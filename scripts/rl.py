@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
+from lib.client import check_base_url
 from lib.config import StopAfterStep, parse, run_main
 from lib.envs import EnvConfig
 from lib.loss import LossConfig
@@ -41,6 +42,8 @@ class InferenceConfig:
     """Most episodes in flight at once."""
 
     def __post_init__(self):
+        for url in self.urls:
+            check_base_url(url, "inference.urls")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("inference.gpu_memory_utilization must be in (0, 1].")
         if self.max_concurrent < 1:

@@ -64,7 +64,8 @@ def test_resolved_config_round_trips(tmp_path):
 BAD_INPUTS = [
     ("rl", ["--steps", "many"], "steps"),  # wrong type
     ("rl", ["--steps", "0"], "steps"),  # out of range
-    ("rl", ["--sampling.temperature", "-1"], "temperature"),
+    ("rl", ["--sampling.temperature", "-1"], "error: sampling.temperature must be >= 0"),
+    ("rl", ["--inference.urls", "http://gpu1:8000"], "error: inference.urls must end in /v1"),
     ("rl", ["--rollouts-per-example", "1"], "rollouts_per_example"),
     ("rl", ["--env.args", "{not json"], "env.args"),
     ("rl", ["--loss.variant", "dpo"], "variant"),  # not a choice

@@ -181,25 +181,26 @@ def own_server_command(tiny_dir, out, *extra) -> list[str]:
     ]
 
 
+def start_job_until(command: list[str], cwd, ready, env) -> subprocess.Popen:
+    """Starts the command as a shell starts a job (a process group of its own, output to cwd/job.out
+    and cwd/job.err) and returns once the directory `ready` exists."""
+    with open(cwd / "job.out", "w") as out, open(cwd / "job.err", "w") as err:
+        process = subprocess.Popen(command, cwd=cwd, start_new_session=True, stdout=out, stderr=err, env=env)
+    deadline = time.monotonic() + 240
+    while not ready.is_dir():  # weights live two steps (keep_weights 2): look often
+        assert process.poll() is None and time.monotonic() < deadline, f"no {ready} appeared"
+        time.sleep(0.01)
+    return process
+
+
 def test_kill_9_then_resume_continues_from_the_last_checkpoint(tiny_dir, tmp_path):
     out = tmp_path / "run"
     command = own_server_command(tiny_dir, out, "--steps", "40", "--checkpoint-every", "4")
+    env = {**os.environ, "PYTHONPATH": str(FIXTURES)}
+    # Killed two steps past checkpoint 4: weights/step_5 and step_6 exist, newer than what resumes.
     # Killed with its process group, as a killed job would be; the server it started (in a group of its
     # own) follows through PR_SET_PDEATHSIG.
-    env = {**os.environ, "PYTHONPATH": str(FIXTURES)}
-    process = subprocess.Popen(
-        command,
-        cwd=tmp_path,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=env,
-    )
-    # Killed two steps past checkpoint 4: weights/step_5 and step_6 exist, newer than what resumes.
-    deadline = time.monotonic() + 240
-    while not (out / "weights" / "step_6").is_dir():  # there for two steps (keep_weights 2): look often
-        assert process.poll() is None and time.monotonic() < deadline, "no weights/step_6 appeared"
-        time.sleep(0.01)
+    process = start_job_until(command, tmp_path, out / "weights" / "step_6", env)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     killed_at = max(int(p.name[5:]) for p in (out / "checkpoints").glob("step_*"))
@@ -223,22 +224,10 @@ def test_ctrl_c_checkpoints_the_step_it_is_on_then_resume_continues(tiny_dir, tm
     out = tmp_path / "run"
     command = own_server_command(tiny_dir, out, "--steps", "40", "--checkpoint-every", "100")
     env = {**os.environ, "PYTHONPATH": str(FIXTURES)}
-    # A terminal's Ctrl-C goes to the whole foreground process group: rl.py and whatever it started.
-    process = subprocess.Popen(
-        command,
-        cwd=tmp_path,
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    deadline = time.monotonic() + 240
-    while not (out / "weights" / "step_3").is_dir():
-        assert process.poll() is None and time.monotonic() < deadline, "no weights/step_3 appeared"
-        time.sleep(0.01)
-    os.killpg(process.pid, signal.SIGINT)
-    stdout, stderr = process.communicate(timeout=120)
+    process = start_job_until(command, tmp_path, out / "weights" / "step_3", env)
+    os.killpg(process.pid, signal.SIGINT)  # a terminal's Ctrl-C goes to the job's whole process group
+    process.wait(timeout=120)
+    stdout, stderr = (tmp_path / "job.out").read_text(), (tmp_path / "job.err").read_text()
     assert process.returncode == 130, stderr[-3000:]
     assert "--resume" in stderr and "Traceback" not in stderr, stderr[-3000:]
     stopped_at = [int(p.name[5:]) for p in (out / "checkpoints").glob("step_*")]
