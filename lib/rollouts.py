@@ -61,11 +61,13 @@ class Producer:
     def start(self) -> None:
         self.thread.start()
 
-    def take(self, step: int, report=None) -> StepBatch:
-        """Blocks until the step's groups are ready (re-raising a failure of the producer); while it
-        waits, `report(message)` gets each rollout error as it comes."""
+    def take(self, step: int, report=print) -> StepBatch:
+        """Blocks until the step's groups are ready (re-raising a failure of the producer); on the way,
+        `report(message)` gets each rollout error since the last call, as it comes."""
         future = asyncio.run_coroutine_threadsafe(self.buffer.take(step), self.loop)
         while True:
+            for message in self.pop_errors():
+                report(message)
             if isinstance(self.failure, ValueError):  # every episode fails: one sentence, no traceback
                 raise self.failure
             if self.failure is not None:
@@ -73,8 +75,7 @@ class Producer:
             try:
                 return future.result(timeout=0.5)
             except TimeoutError:
-                for message in self.pop_errors() if report else []:
-                    report(message)
+                continue
 
     def pop_errors(self) -> list[str]:
         """Error messages since the last call (at most 20 are kept between calls)."""

@@ -322,8 +322,6 @@ def main(cfg: Config) -> dict:
                 }
                 history.append(metrics)
                 log.scalars(done, metrics)
-                for message in producer.pop_errors():
-                    log.print(f"rollout error: {message}")
                 if batch.num_flat_groups == len(batch.groups):
                     flat_steps += 1
                     log.print(
