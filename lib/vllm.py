@@ -6,7 +6,10 @@ What each flag is for:
 - `--generation-config vllm`: vLLM's own sampling defaults, not the model's generation_config.json,
   so a request that leaves temperature out means the same on both engines.
 - `VLLM_SERVER_DEV_MODE=1` (environment): mounts /pause, /resume, /collective_rpc, /reset_prefix_cache.
-- /inference/v1/generate (tokens in, tokens out) needs no flag: vLLM mounts it for every generative model.
+- `--enable-scale-out`: mounts /inference/v1/generate (tokens in, tokens out), which the train client
+  calls; without it vLLM 0.32 answers 403 there.
+- `--max-logprobs`: the same limit as the builtin engine's (vLLM's default is 20).
+- CPU build: `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache; vLLM's own default is 4), from `cpu_kv_cache_gib`.
 - The API key goes in the environment (`VLLM_API_KEY`), which vLLM reads like `--api-key`, so it does
   not show in the process list. vLLM checks it on /v1 and /inference only: its dev routes are open,
   so keep the server on 127.0.0.1 or a private network (the host defaults to 127.0.0.1).
@@ -16,18 +19,15 @@ What each flag is for:
 """
 
 import dataclasses
+import importlib.util
 import os
-import shutil
 import sys
-from pathlib import Path
 
 
 @dataclasses.dataclass
 class VllmConfig:
     gpu_memory_utilization: float = 0.9
     """Fraction of GPU memory vLLM may take (lower it when the trainer shares the GPU)."""
-    max_model_len: int | None = None
-    """Longest sequence vLLM schedules (None = the model's own limit)."""
     tensor_parallel_size: int = 1
     """GPUs per model replica."""
     data_parallel_size: int = 1
@@ -42,6 +42,8 @@ class VllmConfig:
     """First data-parallel rank on this node (multi-node, headless nodes)."""
     headless: bool = False
     """Run engines only, no API server (every node but the head)."""
+    cpu_kv_cache_gib: int | None = None
+    """CPU build only: GiB of memory for the KV cache (None = vLLM's default, 4)."""
     extra_args: list[str] = dataclasses.field(default_factory=list)
     """Further `vllm serve` flags, passed through unchanged."""
 
@@ -71,6 +73,8 @@ def vllm_command(
     dtype: str,
     seed: int,
     config: VllmConfig,
+    max_logprobs: int = 20,
+    max_model_len: int | None = None,
 ) -> list[str]:
     """The `vllm serve` argument list (the API key travels in the environment, see `vllm_environment`)."""
     command = ["vllm", "serve", model]
@@ -78,8 +82,8 @@ def vllm_command(
         command += ["--served-model-name", served_model_name, "--host", host, "--port", str(port)]
     command += ["--dtype", dtype, "--seed", str(seed)]
     command += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
-    if config.max_model_len is not None:
-        command += ["--max-model-len", str(config.max_model_len)]
+    if max_model_len is not None:
+        command += ["--max-model-len", str(max_model_len)]
     command += ["--tensor-parallel-size", str(config.tensor_parallel_size)]
     command += ["--data-parallel-size", str(config.data_parallel_size)]
     optional = {
@@ -93,25 +97,64 @@ def vllm_command(
             command += [flag, str(value)]
     if config.headless:
         command.append("--headless")
-    command += ["--logprobs-mode", "processed_logprobs", "--generation-config", "vllm"]
+    command += ["--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", "--enable-scale-out"]
+    command += ["--max-logprobs", str(max_logprobs)]
     return command + list(config.extra_args)
 
 
-def vllm_environment(api_key: str | None, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment `vllm serve` runs in: dev-mode routes on, the API key if any."""
+def vllm_environment(
+    api_key: str | None, config: VllmConfig | None = None, base: dict[str, str] | None = None
+) -> dict[str, str]:
+    """The environment `vllm serve` runs in: dev-mode routes on, the API key if any, the CPU build's KV cache."""
     env = dict(os.environ if base is None else base)
     env["VLLM_SERVER_DEV_MODE"] = "1"
+    if config is not None and config.cpu_kv_cache_gib is not None:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kv_cache_gib)
     if api_key:
         env["VLLM_API_KEY"] = api_key
     return env
 
 
 def exec_vllm(command: list[str], env: dict[str, str]) -> None:
-    """Replaces this process with vLLM, so signals (Ctrl-C, the controller's SIGTERM) reach it directly."""
-    beside_python = Path(sys.executable).with_name("vllm")
-    executable = str(beside_python) if beside_python.exists() else shutil.which("vllm")
-    if executable is None:
+    """Replaces this process with `vllm serve`, so signals (Ctrl-C, the controller's SIGTERM) reach it directly.
+
+    It runs `python -m lib.vllm serve ...` (this module's `__main__` below) rather than the `vllm`
+    command: the same CLI, on the GPU wheel and on the CPU build alike.
+    """
+    if importlib.util.find_spec("vllm") is None:
         raise ValueError(
-            "vllm is not installed: pip install -r requirements-vllm.lock, or use --engine torch."
+            "vllm is not installed: pip install -r requirements-vllm.lock (GPU) or run "
+            "`make setup-vllm` (CPU build), or use --engine torch."
         )
-    os.execve(executable, [executable, *command[1:]], env)
+    os.execve(sys.executable, [sys.executable, "-m", "lib.vllm", *command[1:]], env)
+
+
+def run_vllm_cli() -> None:
+    """vLLM's own command line (`vllm serve ...`), whichever distribution installed the package.
+
+    The CPU build installs as `vllm-cpu`, and the `vllm` command's `--version` option looks up the
+    distribution `vllm` when it builds its parser, so that command fails there before it starts.
+    That lookup is answered as vLLM's platform detection answers it for itself: the CPU build's
+    version with a `+cpu` suffix (which is also what makes vLLM pick its CPU platform).
+    """
+    import importlib.metadata
+
+    lookup = importlib.metadata.version
+
+    def version(name: str) -> str:
+        try:
+            return lookup(name)
+        except importlib.metadata.PackageNotFoundError:
+            if name != "vllm":
+                raise
+            return lookup("vllm-cpu") + "+cpu"
+
+    importlib.metadata.version = version
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv[0] = "vllm"
+    main()
+
+
+if __name__ == "__main__":
+    run_vllm_cli()

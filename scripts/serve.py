@@ -50,17 +50,19 @@ class Config:
     max_batch_size: int = 64
     """Builtin engine: most sequences decoded together."""
     max_model_len: int | None = None
-    """Builtin engine: longest prompt + completion (None = the model's max_position_embeddings)."""
+    """Longest prompt + completion a request may ask for, both engines (None = the model's own limit)."""
     seed: int = 0
     """Default sampling seed of the engine."""
+    max_logprobs: int = 20
+    """Most logprobs one request may ask for per token (top_logprobs, logprobs, prompt_logprobs), both engines."""
     vllm: VllmConfig = dataclasses.field(default_factory=VllmConfig)
     """vLLM-only settings."""
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}.")
-        if self.max_batch_size < 1:
-            raise ValueError("max_batch_size must be at least 1.")
+        if self.max_batch_size < 1 or self.max_logprobs < 0:
+            raise ValueError("max_batch_size must be at least 1 and max_logprobs at least 0.")
 
 
 def choose_engine(requested: str) -> tuple[str, str]:
@@ -104,10 +106,20 @@ def main(cfg: Config) -> None:
         from lib.vllm import exec_vllm, vllm_command, vllm_environment
 
         command = vllm_command(
-            cfg.model.name, served_model_name, cfg.host, cfg.port, cfg.model.dtype, cfg.seed, cfg.vllm
+            cfg.model.name,
+            served_model_name,
+            cfg.host,
+            cfg.port,
+            cfg.model.dtype,
+            cfg.seed,
+            cfg.vllm,
+            cfg.max_logprobs,
+            cfg.max_model_len,
         )
-        log.info("VLLM_SERVER_DEV_MODE=1 %s", shlex.join(command))
-        exec_vllm(command, vllm_environment(api_key))
+        env = vllm_environment(api_key, cfg.vllm)
+        shown = {k: v for k, v in env.items() if k.startswith("VLLM_") and k != "VLLM_API_KEY"}
+        log.info("%s %s", " ".join(f"{k}={v}" for k, v in shown.items()), shlex.join(command))
+        exec_vllm(command, env)
         return
 
     # ------------------------------------------------------------ builtin engine
@@ -117,7 +129,7 @@ def main(cfg: Config) -> None:
     from lib.server import build_app
 
     engine = Engine(cfg.model, cfg.max_batch_size, cfg.max_model_len, cfg.seed)
-    app = build_app(engine, served_model_name, api_key, cfg.weights_root)
+    app = build_app(engine, served_model_name, api_key, cfg.weights_root, cfg.max_logprobs)
     log.info(
         "serving %s on http://%s:%d/v1 (builtin engine on %s, weights root %s)",
         served_model_name,

