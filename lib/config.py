@@ -39,7 +39,8 @@ def run_main(main, config, resume_dir: Path | None = None) -> None:
     try:
         main(config)
     except ValueError as error:
-        fail(str(error).rstrip(".") + ".")
+        message = str(error).rstrip(".")
+        fail(message if message.endswith("?") else message + ".")
     except KeyboardInterrupt:
         hint = f": `--resume` continues from the last checkpoint in {resume_dir}" if resume_dir else ""
         print(f"\ninterrupted{hint}", file=sys.stderr)

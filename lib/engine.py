@@ -12,7 +12,9 @@ has no such distribution; it reports the plain softmax (temperature 1), the mode
 of the argmax token.
 
 Weights change only between batches: `reload` stops admitting new sequences, waits until the running
-ones finish, copies the new tensors in and bumps `version`, so no sequence ever mixes two policies.
+ones finish, copies the new tensors in and counts `reloads`, so no sequence ever mixes two policies.
+As in vLLM, the weights' label (`weight_version`, "default" at start) changes only when a client sets
+it (POST /update_weight_version); every sequence reports the label of the weights that produced it.
 """
 
 import collections
@@ -35,6 +37,12 @@ LOGPROB_FLOOR = -9999.0
 # From idle, the first batch starts once requests stop arriving for BURST_GAP_S, or after BURST_WAIT_S.
 BURST_GAP_S = 0.005
 BURST_WAIT_S = 0.1
+
+
+class TooLong(ValueError):
+    """A request past max_model_len (vLLM names `input_tokens` as the parameter at fault)."""
+
+    param = "input_tokens"
 
 
 @dataclasses.dataclass
@@ -75,6 +83,8 @@ class Completion:
     """Sampled tokens, the one that stopped the sequence included."""
     logprobs: list[float]
     """Logprob of each sampled token under the distribution it was drawn from."""
+    ranks: list[int]
+    """Rank of each sampled token in that distribution (1 = the most likely), as vLLM reports it."""
     top_logprobs: list[list[tuple[int, float]]]
     """Per step, the k most likely (token id, logprob) pairs; empty when none were asked for."""
     text: str
@@ -83,8 +93,8 @@ class Completion:
     """stop (end token, stop token or stop string), length (max_tokens) or abort (pause with mode=abort)."""
     stop_reason: int | str | None
     """The stop token id or stop string that ended the sequence (None for the end-of-sequence token)."""
-    weight_version: int
-    """Version of the weights that produced every token of this sequence."""
+    weight_version: str
+    """Label of the weights that produced every token of this sequence."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -94,7 +104,7 @@ class _Request:
     future: concurrent.futures.Future
     completions: list
     remaining: int
-    version: int = 0
+    version: str = "default"
 
 
 @dataclasses.dataclass(eq=False)
@@ -109,6 +119,7 @@ class _Sequence:
     end_ids: frozenset[int]
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    ranks: list[int] = dataclasses.field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
     text: str | None = None
 
@@ -210,7 +221,8 @@ class Engine:
             eos + ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
         )
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.version = 0
+        self.reloads = 0
+        self.weight_version = "default"
         self._tokenizer_lock = threading.Lock()  # fast tokenizers are not safe to share across threads
         self._reload_lock = threading.Lock()
         self._cond = threading.Condition()
@@ -252,7 +264,7 @@ class Engine:
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}).")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
+            raise TooLong(
                 f"this model's maximum context length is {self.max_model_len} tokens, but the request asks for "
                 f"{len(prompt_ids) + params.max_tokens} ({len(prompt_ids)} in the prompt, "
                 f"{params.max_tokens} to generate)."
@@ -297,7 +309,7 @@ class Engine:
         return self._paused
 
     def reload(self, directory: str | Path) -> int:
-        """Loads a safetensors directory between two batches and returns the new weight version."""
+        """Loads a safetensors directory between two batches; returns how many reloads there have been."""
         with self._reload_lock:
             tensors = read_weights(self.model, Path(directory))  # read before waiting: the pause stays short
             with self._cond:
@@ -308,13 +320,34 @@ class Engine:
                 with torch.no_grad():
                     for name, tensor in tensors.items():
                         state[name].copy_(tensor)
-                self.version += 1
+                self.reloads += 1
             finally:
                 with self._cond:
                     self._reloading = False
                     self._cond.notify_all()
-            log.info("loaded weights from %s: version %d", directory, self.version)
-            return self.version
+            log.info("loaded weights from %s (reload %d)", directory, self.reloads)
+            return self.reloads
+
+    def prompt_logprobs(self, prompt_ids: list[int], k: int) -> list[list[tuple[int, float, int]] | None]:
+        """vLLM's prompt logprobs: for each prompt token after the first, (token, logprob, rank) of the
+        token itself and then the k most likely, under the model's raw distribution (no temperature or
+        filter: vLLM applies neither to prompt logprobs). None for the first token."""
+        with self._reload_lock, torch.inference_mode():  # weights do not change under it
+            ids = torch.tensor([prompt_ids], device=self.device)
+            logprobs = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float().log_softmax(-1)
+            targets = ids[0, 1:]  # (T-1,)
+            chosen = logprobs.gather(-1, targets[:, None])  # (T-1, 1)
+            ranks = (logprobs > chosen).sum(-1) + 1  # (T-1,)
+            top_values, top_ids = logprobs.topk(k, dim=-1) if k else (chosen[:, :0], targets[:, None][:, :0])
+        out = [None]
+        rows = zip(
+            targets.tolist(), chosen[:, 0].tolist(), ranks.tolist(), top_ids.tolist(), top_values.tolist()
+        )
+        for token, logprob, rank, ids_k, values_k in rows:
+            out.append(
+                [(token, logprob, rank), *((t, v, i + 1) for i, (t, v) in enumerate(zip(ids_k, values_k)))]
+            )
+        return out
 
     def close(self) -> None:
         with self._cond:
@@ -344,7 +377,7 @@ class Engine:
                     seqs = self._pending.popleft()
                     # Running futures cannot be cancelled any more; a cancelled one lost its caller: skip it.
                     if seqs[0].request.future.set_running_or_notify_cancel():
-                        seqs[0].request.version = self.version
+                        seqs[0].request.version = self.weight_version
                         new += seqs
                 abort = self._abort
             try:
@@ -447,6 +480,7 @@ class Engine:
         tokens = (logprobs - noise.clamp_(min=torch.finfo(noise.dtype).tiny).log()).argmax(dim=-1)  # (B,)
         tokens = torch.where(batch.greedy, logprobs.argmax(dim=-1), tokens)
         chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1)  # (B,)
+        ranks = ((logprobs > chosen[:, None]).sum(-1) + 1).tolist()  # (B,)
         k = max(s.params.top_logprobs for s in seqs)
         top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)  # (B, k)
         tokens_list, chosen_list = tokens.tolist(), chosen.tolist()
@@ -457,6 +491,7 @@ class Engine:
             token = tokens_list[row]
             seq.token_ids.append(token)
             seq.logprobs.append(chosen_list[row])
+            seq.ranks.append(ranks[row])
             if seq.params.top_logprobs:
                 count = seq.params.top_logprobs
                 seq.top_logprobs.append(list(zip(top_ids[row][:count], top_values[row][:count])))
@@ -498,7 +533,14 @@ class Engine:
         )
         request = seq.request
         request.completions[seq.index] = Completion(
-            seq.token_ids, seq.logprobs, seq.top_logprobs, text, reason, stop_reason, request.version
+            seq.token_ids,
+            seq.logprobs,
+            seq.ranks,
+            seq.top_logprobs,
+            text,
+            reason,
+            stop_reason,
+            request.version,
         )
         request.remaining -= 1
         if request.remaining == 0:

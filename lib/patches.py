@@ -6,18 +6,64 @@ Each function is idempotent; lib.envs calls them before environments run.
 import asyncio
 import weakref
 
+GENERATE_PATH = "/inference/v1/generate"
+
+
+def name_generate_tokens(payload: dict) -> dict:
+    """Gives each logprob entry of a /inference/v1/generate answer the `"token": "token_id:N"` name.
+
+    vLLM 0.32 names the tokens of that route `{"token_id": N, "logprob": ..., "rank": ...}`; the train
+    client of verifiers 0.4.0 (renderers 0.1.12) checks `entry["token"] == "token_id:N"` and rejects
+    every answer without it. Both engines answer in vLLM's shape; this is the one place the client's
+    expectation is met. Returns `payload`, changed in place.
+    """
+    for choice in payload.get("choices") or []:
+        for entry in (choice.get("logprobs") or {}).get("content") or []:
+            for item in [entry, *(entry.get("top_logprobs") or [])]:
+                if "token" not in item and "token_id" in item:
+                    item["token"] = f"token_id:{item['token_id']}"
+    return payload
+
 
 def use_aiohttp_transport() -> None:
-    """Makes verifiers' HTTP clients (the eval relay, the train client's /generate calls) send through aiohttp.
+    """Makes verifiers' HTTP clients (the eval relay, the train client's /generate calls) send through aiohttp,
+    and speak vLLM 0.32's dialect of /inference/v1/generate.
 
     httpx keeps its API (verifiers and openai use it), but its default transport, httpcore, cost about
     a third of the environment layer's CPU with 64 requests in flight (benchmarks/bench_env_overhead.py).
+    The transport is also the HTTP layer plainrl owns between the train client and the servers, so the
+    two places where the client and vLLM disagree are settled here, for both engines alike:
+    - every generate request asks for `return_token_ids`, so the answer echoes `prompt_token_ids` and
+      the client trains on the prompt tokens the server actually saw, not on its own record of them;
+    - every generate answer's logprob entries get the token names the client checks (`name_generate_tokens`).
     """
+    import json
+
     import aiohttp
     import httpx
     import verifiers.v1.clients.base as base
     import verifiers.v1.clients.eval as eval_client
     from httpx_aiohttp import AiohttpTransport
+
+    class VllmDialectTransport(AiohttpTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            if not request.url.path.endswith(GENERATE_PATH):
+                return await super().handle_async_request(request)
+            body = {**json.loads(request.content), "return_token_ids": True}
+            headers = {k: v for k, v in request.headers.items() if k.lower() != "content-length"}
+            request = httpx.Request(
+                request.method, request.url, headers=headers, json=body, extensions=request.extensions
+            )
+            response = await super().handle_async_request(request)
+            if response.status_code != 200:
+                return response
+            payload = name_generate_tokens(json.loads(await response.aread()))
+            headers = {
+                k: v
+                for k, v in response.headers.items()
+                if k.lower() not in ("content-length", "content-encoding")
+            }
+            return httpx.Response(200, headers=headers, json=payload, request=request)
 
     def session() -> aiohttp.ClientSession:
         # No connection limit (the caller's semaphore bounds them); proxies from the environment, as httpx.
@@ -25,7 +71,7 @@ def use_aiohttp_transport() -> None:
 
     def build_async_httpx(config) -> httpx.AsyncClient:
         # The transport opens the session at its first request, inside the event loop that sends it.
-        transport = AiohttpTransport(client=session)
+        transport = VllmDialectTransport(client=session)
         return httpx.AsyncClient(timeout=httpx.Timeout(**config.timeout.model_dump()), transport=transport)
 
     # The train client calls it through base (build_async_openai); the eval client imported the name.

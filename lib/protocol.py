@@ -10,8 +10,6 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
 from lib.engine import SamplingParams
 
-MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
-
 # Options the builtin engine does not implement, with the value that means "off".
 NEUTRAL = {
     "min_p": 0.0,
@@ -20,7 +18,6 @@ NEUTRAL = {
     "repetition_penalty": 1.0,
     "min_tokens": 0,
     "logit_bias": None,
-    "prompt_logprobs": None,
     "use_beam_search": False,
     "echo": False,
     "suffix": None,
@@ -52,6 +49,7 @@ class SamplingFields(BaseModel):
     use_beam_search: bool | None = None
 
     def to_params(self, prompt_length: int, max_model_len: int, top_logprobs: int) -> SamplingParams:
+        """The engine's SamplingParams; `logprobs` limits (the server's max_logprobs) are the caller's to check."""
         for name, neutral in NEUTRAL.items():
             value = getattr(self, name, None)
             if value not in (None, neutral) and value != {}:
@@ -87,7 +85,7 @@ class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0)
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
     stream: bool = False
@@ -101,7 +99,7 @@ class ChatRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0)
     echo: bool = False
     suffix: str | None = None
     return_token_ids: bool = False
@@ -111,7 +109,7 @@ class CompletionRequest(SamplingFields):
 
 
 class GenerateSamplingParams(SamplingFields):
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0)
 
 
 class GenerateRequest(BaseModel):

@@ -2,11 +2,14 @@
 
 Generation: /v1/chat/completions, /v1/completions, /inference/v1/generate (tokens in, tokens out, as
 verifiers' train client calls it through `renderers.client.generate`). Weight updates, vLLM dev-mode
-style: /pause, /resume, /collective_rpc with method reload_weights, /reset_prefix_cache. Every answer
-that generated carries `weight_version`; /v1/models lists it too.
+style: /pause, /resume, /collective_rpc with method reload_weights, /reset_prefix_cache, and the weights'
+label: /update_weight_version, /weight_info, `weight_versions` in every /inference/v1/generate choice.
 
+Every route answers with vLLM 0.32's JSON keys and types (tests/test_vllm_differential.py holds the two
+servers to it); fields for features the builtin engine lacks are null, as vLLM's are when unused.
 Where the builtin server differs from vLLM, on purpose:
-- `--api-key` guards every route, /health and the admin routes included (vLLM guards /v1 and /inference).
+- `--api-key` guards every route but /health, the admin routes included (vLLM guards /v1 and
+  /inference only: its admin routes are open to anyone who reaches the port).
 - /pause defaults to mode=wait (in-flight requests finish); vLLM defaults to abort, so callers that
   want the same behaviour from both should send mode=wait. mode=keep is served as wait: freezing a
   sequence across a reload would mix two policies in it.
@@ -26,7 +29,7 @@ import uuid
 from pathlib import Path
 from typing import Literal
 
-from fastapi import FastAPI, Query
+from fastapi import Body, FastAPI, Query
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
@@ -35,7 +38,7 @@ from lib.engine import LOGPROB_FLOOR, Completion, Engine, SamplingParams
 from lib.protocol import ChatRequest, CompletionRequest, GenerateRequest, RpcRequest
 
 
-def error(status: int, message: str) -> JSONResponse:
+def error(status: int, message: str, param: str | None = None) -> JSONResponse:
     """vLLM's (and OpenAI's) error body, which the openai client turns into the matching exception."""
     kinds = {
         400: "BadRequestError",
@@ -46,18 +49,24 @@ def error(status: int, message: str) -> JSONResponse:
     body = {
         "message": message,
         "type": kinds.get(status, "InternalServerError"),
-        "param": None,
+        "param": param,
         "code": status,
     }
     return JSONResponse({"error": body}, status_code=status)
+
+
+# Fields of vLLM's answers that name features the builtin engine does not have (null there when unused).
+UNUSED = {"kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
 
 
 def usage(prompt_length: int, completions: list[Completion]) -> dict:
     generated = sum(len(c.token_ids) for c in completions)
     return {
         "prompt_tokens": prompt_length,
-        "completion_tokens": generated,
         "total_tokens": prompt_length + generated,
+        "completion_tokens": generated,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
     }
 
 
@@ -67,15 +76,34 @@ def sse(chunks: list[dict]) -> StreamingResponse:
     return StreamingResponse(iter(lines), media_type="text/event-stream")
 
 
-def build_app(engine: Engine, served_model_name: str, api_key: str | None, weights_root: Path) -> FastAPI:
+def listed_logprobs(
+    completion: Completion, step: int, k: int, sampled_first_only: bool
+) -> list[tuple[int, float, int]]:
+    """vLLM's top-logprob list at one step: the sampled token, then the most likely ones, each token once,
+    as (token, logprob, rank). Chat and /generate keep the first k entries; /v1/completions keeps the
+    sampled token and k more (`sampled_first_only` False)."""
+    token = completion.token_ids[step]
+    entries = [(token, completion.logprobs[step], completion.ranks[step])]
+    for rank, (other, logprob) in enumerate(completion.top_logprobs[step] if completion.top_logprobs else []):
+        if other != token:
+            entries.append((other, logprob, rank + 1))
+    return entries[:k] if sampled_first_only else entries[: k + 1]
+
+
+def build_app(
+    engine: Engine, served_model_name: str, api_key: str | None, weights_root: Path, max_logprobs: int = 20
+) -> FastAPI:
     """The FastAPI app serving `engine` under `served_model_name`."""
     app = FastAPI(title="plainrl builtin engine")
     weights_root = Path(weights_root).expanduser().resolve()
+    fingerprint = f"plainrl-builtin-{secrets.token_hex(4)}"
     if api_key:
         expected_header = f"Bearer {api_key}".encode()
 
         @app.middleware("http")
         async def require_api_key(request, call_next):
+            if request.url.path == "/health":  # open, as vLLM's: probes and load balancers have no key
+                return await call_next(request)
             given = request.headers.get("authorization", "").encode()
             if not secrets.compare_digest(given, expected_header):
                 return error(401, "missing or wrong API key: send `Authorization: Bearer KEY`.")
@@ -84,16 +112,17 @@ def build_app(engine: Engine, served_model_name: str, api_key: str | None, weigh
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request, exc: RequestValidationError):
         first = exc.errors()[0]
-        where = ".".join(str(part) for part in first.get("loc", ())[1:]) or "body"
-        return error(400, f"{where}: {first.get('msg', 'invalid value')}.")
+        location = [str(part) for part in first.get("loc", ())]
+        where = ".".join(location[1:]) or "body"
+        return error(400, f"{where}: {first.get('msg', 'invalid value')}.", ".".join(location) or None)
 
     @app.exception_handler(HTTPException)
     async def http_error(request, exc: HTTPException):
-        return error(exc.status_code, str(exc.detail))
+        return error(exc.status_code, str(exc.detail), "model" if exc.status_code == 404 else None)
 
     @app.exception_handler(ValueError)
     async def bad_value(request, exc: ValueError):
-        return error(400, str(exc))
+        return error(400, str(exc), getattr(exc, "param", None))
 
     @app.exception_handler(Exception)
     async def internal_error(request, exc: Exception):
@@ -103,33 +132,71 @@ def build_app(engine: Engine, served_model_name: str, api_key: str | None, weigh
         if name and name != served_model_name:
             raise HTTPException(404, f"The model `{name}` does not exist.")
 
+    def check_logprobs(k: int | None, name: str) -> int:
+        if k is not None and k > max_logprobs:
+            raise ValueError(f"{name} {k} is more than the server's max_logprobs ({max_logprobs}).")
+        return k or 0
+
     async def generate(prompt_ids: list[int], params: SamplingParams) -> list[Completion]:
         return await asyncio.wrap_future(engine.submit(prompt_ids, params))
 
     def token_name(token: int, as_ids: bool) -> str:
         return f"token_id:{token}" if as_ids else engine.token_strings([token])[0]
 
-    def chat_logprobs(completion: Completion, as_ids: bool) -> dict:
+    def chat_logprobs(completion: Completion, k: int, as_ids: bool) -> dict:
         def entry(token: int, logprob: float) -> dict:
-            name = token_name(token, as_ids)
-            return {"token": name, "logprob": max(logprob, LOGPROB_FLOOR), "bytes": list(name.encode())}
+            text = engine.token_strings([token])[0]
+            name = f"token_id:{token}" if as_ids else text
+            return {"token": name, "logprob": max(logprob, LOGPROB_FLOOR), "bytes": list(text.encode())}
 
         content = []
         for step, (token, logprob) in enumerate(zip(completion.token_ids, completion.logprobs)):
-            top = completion.top_logprobs[step] if completion.top_logprobs else []
-            content.append({**entry(token, logprob), "top_logprobs": [entry(t, lp) for t, lp in top]})
+            top = listed_logprobs(completion, step, k, sampled_first_only=True)
+            content.append({**entry(token, logprob), "top_logprobs": [entry(t, lp) for t, lp, _ in top]})
         return {"content": content}
 
-    def completion_logprobs(completion: Completion, as_ids: bool) -> dict:
+    def completion_logprobs(completion: Completion, k: int, as_ids: bool) -> dict:
         tokens = [token_name(token, as_ids) for token in completion.token_ids]
         offsets = [0, *itertools.accumulate(len(t) for t in tokens)][: len(tokens)]
-        top = [{token_name(t, as_ids): lp for t, lp in step} or None for step in completion.top_logprobs]
+        top = [
+            {
+                token_name(t, as_ids): max(lp, LOGPROB_FLOOR)
+                for t, lp, _ in listed_logprobs(completion, step, k, False)
+            }
+            for step in range(len(tokens))
+        ]
         return {
-            "tokens": tokens,
-            "token_logprobs": [max(lp, LOGPROB_FLOOR) for lp in completion.logprobs],
-            "top_logprobs": top or [None] * len(tokens),
             "text_offset": offsets,
+            "token_logprobs": [max(lp, LOGPROB_FLOOR) for lp in completion.logprobs],
+            "tokens": tokens,
+            "top_logprobs": top,
         }
+
+    def generate_logprobs(completion: Completion, k: int) -> dict:
+        def entry(token: int, logprob: float, rank: int) -> dict:
+            return {"token_id": token, "logprob": max(logprob, LOGPROB_FLOOR), "rank": rank}
+
+        content = []
+        for step, (token, logprob, rank) in enumerate(
+            zip(completion.token_ids, completion.logprobs, completion.ranks)
+        ):
+            top = listed_logprobs(completion, step, k, sampled_first_only=True)
+            content.append({**entry(token, logprob, rank), "top_logprobs": [entry(*e) for e in top]})
+        return {"content": content}
+
+    def prompt_logprobs(prompt_ids: list[int], k: int) -> list[dict | None]:
+        steps = engine.prompt_logprobs(prompt_ids, k)
+        return [None] + [
+            {
+                str(token): {
+                    "logprob": logprob,
+                    "rank": rank,
+                    "decoded_token": engine.token_strings([token])[0],
+                }
+                for token, logprob, rank in step
+            }
+            for step in steps[1:]
+        ]
 
     # ------------------------------------------------------------ status
     @app.get("/health")
@@ -138,15 +205,30 @@ def build_app(engine: Engine, served_model_name: str, api_key: str | None, weigh
 
     @app.get("/v1/models")
     async def models():
+        created = int(time.time())
+        permission = {
+            "id": f"modelperm-{uuid.uuid4().hex[:16]}",
+            "object": "model_permission",
+            "created": created,
+            "allow_create_engine": False,
+            "allow_sampling": True,
+            "allow_logprobs": True,
+            "allow_search_indices": False,
+            "allow_view": True,
+            "allow_fine_tuning": False,
+            "organization": "*",
+            "group": None,
+            "is_blocking": False,
+        }
         card = {
             "id": served_model_name,
             "object": "model",
-            "created": int(time.time()),
+            "created": created,
             "owned_by": "plainrl",
             "root": engine.model.name_or_path,
             "parent": None,
             "max_model_len": engine.max_model_len,
-            "weight_version": engine.version,
+            "permission": [permission],
         }
         return {"object": "list", "data": [card]}
 
@@ -169,29 +251,41 @@ def build_app(engine: Engine, served_model_name: str, api_key: str | None, weigh
             continue_final_message=body.continue_final_message,
             **(body.chat_template_kwargs or {}),
         )
+        if body.prompt_logprobs is not None:
+            raise ValueError("the builtin engine serves prompt_logprobs on /v1/completions only.")
         if body.top_logprobs and not body.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true.")
+        top = check_logprobs(body.top_logprobs, "top_logprobs")
         body.max_tokens = body.max_tokens or body.max_completion_tokens
-        params = body.to_params(len(prompt_ids), engine.max_model_len, body.top_logprobs or 0)
+        params = body.to_params(len(prompt_ids), engine.max_model_len, top)
         completions = await generate(prompt_ids, params)
         choices = []
         for index, completion in enumerate(completions):
-            choice = {
-                "index": index,
-                "message": {"role": "assistant", "content": completion.text},
-                "logprobs": chat_logprobs(completion, body.return_tokens_as_token_ids)
-                if body.logprobs
-                else None,
-                "finish_reason": completion.finish_reason,
-                "stop_reason": completion.stop_reason,
-            }
-            if body.return_token_ids:
-                choice["token_ids"] = completion.token_ids
-            choices.append(choice)
+            message = {"role": "assistant", "content": completion.text}
+            message.update(refusal=None, annotations=None, audio=None, function_call=None, reasoning=None)
+            choices.append(
+                {
+                    "index": index,
+                    "message": message,
+                    "logprobs": chat_logprobs(completion, top, body.return_tokens_as_token_ids)
+                    if body.logprobs
+                    else None,
+                    "finish_reason": completion.finish_reason,
+                    "stop_reason": completion.stop_reason,
+                    "token_ids": completion.token_ids if body.return_token_ids else None,
+                    "routed_experts": None,
+                }
+            )
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": served_model_name}
-        tail = {"usage": usage(len(prompt_ids), completions), "weight_version": completions[0].weight_version}
-        if body.return_token_ids:
-            tail["prompt_token_ids"] = prompt_ids
+        tail = {
+            "service_tier": None,
+            "system_fingerprint": fingerprint,
+            "usage": usage(len(prompt_ids), completions),
+            "prompt_logprobs": None,
+            "prompt_token_ids": prompt_ids if body.return_token_ids else None,
+            "prompt_text": None,
+            **UNUSED,
+        }
         if body.stream:
             chunks = []
             for choice in choices:
@@ -215,28 +309,33 @@ def build_app(engine: Engine, served_model_name: str, api_key: str | None, weigh
         if not prompt or any(len(p) == 0 for p in prompt):
             raise ValueError("prompt must not be empty.")
         prompts = [engine.encode(p) if isinstance(p, str) else list(p) for p in prompt]
-        top = body.logprobs or 0
+        top = check_logprobs(body.logprobs, "logprobs")
+        scored = check_logprobs(body.prompt_logprobs, "prompt_logprobs")
         params = [body.to_params(len(ids), engine.max_model_len, top) for ids in prompts]
         for ids, p in zip(prompts, params):  # refuse the whole request before any of it runs
             engine.check(ids, p)
         results = await asyncio.gather(*(generate(ids, p) for ids, p in zip(prompts, params)))
         choices = []
         for prompt_index, (ids, completions) in enumerate(zip(prompts, results)):
+            scores = None
+            if body.prompt_logprobs is not None:
+                scores = await asyncio.to_thread(prompt_logprobs, ids, scored)
             for j, completion in enumerate(completions):
-                choice = {
-                    "index": prompt_index * (body.n or 1) + j,
-                    "text": completion.text,
-                    "logprobs": None,
-                    "finish_reason": completion.finish_reason,
-                    "stop_reason": completion.stop_reason,
-                    "prompt_logprobs": None,
-                }
-                if body.logprobs is not None:
-                    choice["logprobs"] = completion_logprobs(completion, body.return_tokens_as_token_ids)
-                if body.return_token_ids:
-                    choice["prompt_token_ids"] = ids
-                    choice["token_ids"] = completion.token_ids
-                choices.append(choice)
+                choices.append(
+                    {
+                        "index": prompt_index * (body.n or 1) + j,
+                        "text": completion.text,
+                        "logprobs": completion_logprobs(completion, top, body.return_tokens_as_token_ids)
+                        if body.logprobs is not None
+                        else None,
+                        "finish_reason": completion.finish_reason,
+                        "stop_reason": completion.stop_reason,
+                        "token_ids": completion.token_ids if body.return_token_ids else None,
+                        "prompt_logprobs": scores,
+                        "prompt_token_ids": ids if body.return_token_ids else None,
+                        "routed_experts": None,
+                    }
+                )
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time())}
         head["model"] = served_model_name
         all_completions = [c for completions in results for c in completions]
@@ -246,9 +345,8 @@ def build_app(engine: Engine, served_model_name: str, api_key: str | None, weigh
             if (body.stream_options or {}).get("include_usage"):
                 chunks.append({**head, "choices": [], "usage": total})
             return sse(chunks)
-        return JSONResponse(
-            {**head, "choices": choices, "usage": total, "weight_version": results[0][0].weight_version}
-        )
+        tail = {"service_tier": None, "system_fingerprint": fingerprint, "usage": total, **UNUSED}
+        return JSONResponse({**head, "choices": choices, **tail})
 
     @app.post("/inference/v1/generate")
     async def generate_tokens(body: GenerateRequest):
@@ -258,33 +356,40 @@ def build_app(engine: Engine, served_model_name: str, api_key: str | None, weigh
         if body.stream:
             raise ValueError("the builtin engine does not stream /inference/v1/generate.")
         sampling = body.sampling_params
-        params = sampling.to_params(len(body.token_ids), engine.max_model_len, sampling.logprobs or 0)
+        if sampling.prompt_logprobs is not None:
+            raise ValueError("the builtin engine serves prompt_logprobs on /v1/completions only.")
+        top = check_logprobs(sampling.logprobs, "logprobs")
+        params = sampling.to_params(len(body.token_ids), engine.max_model_len, top)
         completions = await generate(body.token_ids, params)
         choices = []
         for index, completion in enumerate(completions):
-            logprobs = None
-            if sampling.logprobs is not None:
-                logprobs = chat_logprobs(completion, as_ids=True)  # renderers' client reads "token_id:N"
             choices.append(
                 {
                     "index": index,
-                    "logprobs": logprobs,
                     "finish_reason": completion.finish_reason,
                     "stop_reason": completion.stop_reason,
                     "token_ids": completion.token_ids,
                     "routed_experts": None,
+                    "sampling_mask": None,
+                    "weight_versions": [
+                        {"version": completion.weight_version, "start": 0, "end": len(completion.token_ids)}
+                    ],
+                    "logprobs": generate_logprobs(completion, top) if sampling.logprobs is not None else None,
                 }
             )
         response = {
             "request_id": f"generate-tokens-{body.request_id or uuid.uuid4().hex}",
-            "choices": choices,
+            "model": served_model_name,
+            "created": int(time.time()),
             "usage": usage(len(body.token_ids), completions),
             "prompt_logprobs": None,
-            "kv_transfer_params": None,
-            "weight_version": completions[0].weight_version,
+            "prompt_token_id_logprobs": None,
+            "prompt_token_ids": body.token_ids if body.return_token_ids else None,
+            "mm_placeholders": None,
+            **UNUSED,
+            "output_mode": "tokens",
+            "choices": choices,
         }
-        if body.return_token_ids:
-            response["prompt_token_ids"] = body.token_ids
         return JSONResponse(response)
 
     # ------------------------------------------------------------ weight updates
@@ -304,7 +409,16 @@ def build_app(engine: Engine, served_model_name: str, api_key: str | None, weigh
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
-        return Response(status_code=200)  # the builtin engine keeps no prefix cache
+        return {"success": True}  # the builtin engine keeps no prefix cache
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(new_version: str = Body(embed=True)):
+        engine.weight_version = new_version  # sequences admitted from now on carry it
+        return {"success": True, "new_version": new_version}
+
+    @app.get("/weight_info")
+    async def weight_info():
+        return {"weight_version": engine.weight_version}
 
     @app.post("/collective_rpc")
     async def collective_rpc(body: RpcRequest):
@@ -318,7 +432,7 @@ def build_app(engine: Engine, served_model_name: str, api_key: str | None, weigh
             raise HTTPException(403, f"weights_path must be under {weights_root}.")
         if not directory.is_dir():
             raise ValueError(f"weights_path {directory} is not a directory.")
-        version = await asyncio.to_thread(engine.reload, directory)
-        return {"results": [None], "weight_version": version}
+        await asyncio.to_thread(engine.reload, directory)
+        return {"results": [None]}
 
     return app

@@ -65,15 +65,25 @@ def new_weights(server):
     return write_tiny(server["root"] / "step_1", TinyConfig(seed=1))
 
 
-def weight_version(server) -> int:
-    return server["client"].get("/v1/models").json()["data"][0]["weight_version"]
+def weight_version(server) -> str:
+    return server["client"].get("/weight_info").json()["weight_version"]
 
 
-def reload(server, directory) -> httpx.Response:
+def answer_version(answer: dict) -> str:
+    """The label of the weights that produced a /inference/v1/generate answer's first choice."""
+    (span,) = answer["choices"][0]["weight_versions"]
+    return span["version"]
+
+
+def reload(server, directory, label: str | None = None) -> httpx.Response:
+    """pause, reload_weights, label the new weights (if `label`), resume: the answer of reload_weights."""
     client = server["client"]
     assert client.post("/pause").status_code == 200
     rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(directory)}}
     answer = client.post("/collective_rpc", json=rpc)
+    if label is not None:
+        labelled = client.post("/update_weight_version", json={"new_version": label})
+        assert labelled.json() == {"success": True, "new_version": label}
     assert client.post("/resume").status_code == 200
     return answer
 
@@ -123,15 +133,16 @@ def served_logprobs(choice):
 
 
 # ------------------------------------------------------------ routes and auth
-def test_models_route_reports_name_context_and_weight_version(server):
+def test_models_route_reports_name_and_context_and_weight_info_the_label(server):
     card = server["client"].get("/v1/models").json()["data"][0]
     assert card["id"] == server["name"] and card["object"] == "model"
-    assert card["max_model_len"] == 2048 and card["weight_version"] == 0
+    assert card["max_model_len"] == 2048 and card["permission"][0]["allow_logprobs"] is True
+    assert weight_version(server) == "default"
 
 
-def test_every_route_requires_the_api_key(server):
+def test_every_route_but_health_requires_the_api_key(server):
+    assert httpx.get(server["url"] + "/health").status_code == 200  # open, as vLLM's (probes have no key)
     routes = [
-        ("GET", "/health"),
         ("GET", "/v1/models"),
         ("POST", "/v1/chat/completions"),
         ("POST", "/v1/completions"),
@@ -143,6 +154,7 @@ def test_every_route_requires_the_api_key(server):
         ("GET", "/is_paused"),
     ]
     routes += [("POST", "/collective_rpc"), ("POST", "/reset_prefix_cache"), ("GET", "/no/such/route")]
+    routes += [("POST", "/update_weight_version"), ("GET", "/weight_info")]
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         for method, path in routes:
             response = httpx.request(method, server["url"] + path, headers=headers, json={})
@@ -189,9 +201,10 @@ def test_openai_chat_logprobs_and_token_ids_are_consistent(server, tokenizer):
     assert response.usage.prompt_tokens == len(expected_prompt) and response.usage.completion_tokens == 12
     assert [entry.token for entry in choice.logprobs.content] == [tokenizer.decode([t]) for t in token_ids]
     for entry in choice.logprobs.content:
+        # vLLM's list: the sampled token first, then the most likely others.
         top = [candidate.logprob for candidate in entry.top_logprobs]
-        assert len(top) == 3 and top == sorted(top, reverse=True) and entry.logprob <= top[0] <= 0
-    assert response.model_extra["weight_version"] == 0
+        assert len(top) == 3 and top[0] == entry.logprob and top[1:] == sorted(top[1:], reverse=True)
+        assert entry.top_logprobs[0].token == entry.token and max(top) <= 0
 
 
 def test_openai_completions_take_token_prompts_and_n(server, tokenizer):
@@ -382,10 +395,16 @@ def test_engine_skips_requests_whose_caller_left_and_fails_queued_ones_on_close(
 
 # ------------------------------------------------------------ verifiers clients
 def test_verifiers_train_client_generates_through_the_token_route(server, tokenizer, monkeypatch):
+    """The train client rejects vLLM 0.32's /inference/v1/generate answers as they come (the server answers
+    in vLLM's shape); through plainrl's HTTP layer (lib/patches.py) it takes them, and trains on the
+    prompt tokens the server echoed."""
+    import renderers.client
     from verifiers.v1.clients.train import TrainClient
     from verifiers.v1.configs.client import TrainClientConfig
     from verifiers.v1.dialects.chat import ChatDialect
     from verifiers.v1.types import SamplingConfig
+
+    from lib import patches
 
     monkeypatch.setenv("PLAINRL_TEST_API_KEY", KEY)
     config = TrainClientConfig(
@@ -393,6 +412,11 @@ def test_verifiers_train_client_generates_through_the_token_route(server, tokeni
     )
     messages = [{"role": "user", "content": "Reverse: abc"}]
     body = {"model": server["name"], "messages": messages}
+    echoed = []
+    parse = renderers.client.parse_generate_response
+    monkeypatch.setattr(
+        renderers.client, "parse_generate_response", lambda raw: echoed.append(parse(raw)) or echoed[-1]
+    )
 
     async def call():
         client = TrainClient(config)
@@ -403,12 +427,31 @@ def test_verifiers_train_client_generates_through_the_token_route(server, tokeni
         finally:
             await client.close()
 
+    with pytest.raises(renderers.client.MalformedGenerateResponseError, match="token must be 'token_id:"):
+        asyncio.run(call())
+    patches.use_aiohttp_transport()
     response = asyncio.run(call())
     tokens = response.tokens
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert tokens.prompt_ids == tokenizer.encode(rendered, add_special_tokens=False)
+    assert tokens.prompt_ids == echoed[-1]["prompt_token_ids"]  # asked for, and echoed, by the transport
     assert 1 <= len(tokens.completion_ids) == len(tokens.completion_logprobs) <= 8
     assert all(lp < 0 for lp in tokens.completion_logprobs) and response.finish_reason in ("stop", "length")
+
+
+def test_generate_answers_get_the_token_names_the_train_client_checks():
+    from lib.patches import name_generate_tokens
+
+    entry = {
+        "token_id": 5,
+        "logprob": -1.5,
+        "rank": 2,
+        "top_logprobs": [{"token_id": 7, "logprob": -0.2, "rank": 1}],
+    }
+    payload = name_generate_tokens({"choices": [{"logprobs": {"content": [entry]}}, {"logprobs": None}]})
+    named = payload["choices"][0]["logprobs"]["content"][0]
+    assert named["token"] == "token_id:5" and named["top_logprobs"][0]["token"] == "token_id:7"
+    assert named["token_id"] == 5 and named["rank"] == 2  # vLLM's fields stay
 
 
 def test_verifiers_eval_client_plain_and_streamed(server, monkeypatch):
@@ -522,15 +565,17 @@ def test_reload_changes_outputs_and_version_then_restores(server, new_weights, t
     client, version = server["client"], weight_version(server)
     body = generate_body(tokenizer.encode("policy"), seed=5, max_tokens=12, ignore_eos=True)
     before = client.post("/inference/v1/generate", json=body).json()
-    assert before["weight_version"] == version
-    assert reload(server, new_weights).json() == {"results": [None], "weight_version": version + 1}
+    assert answer_version(before) == version
+    assert reload(server, new_weights, "new").json() == {"results": [None]}
     after = client.post("/inference/v1/generate", json=body).json()
-    assert after["weight_version"] == weight_version(server) == version + 1
+    assert answer_version(after) == weight_version(server) == "new"
     assert after["choices"][0]["token_ids"] != before["choices"][0]["token_ids"]
     assert not torch.allclose(served_logprobs(after["choices"][0]), served_logprobs(before["choices"][0]))
-    assert reload(server, server["root"] / "step_0").status_code == 200
+    assert reload(server, server["root"] / "step_0", "restored").status_code == 200
     restored = client.post("/inference/v1/generate", json=body).json()
-    assert restored["weight_version"] == version + 2 and restored["choices"][0] == before["choices"][0]
+    assert answer_version(restored) == "restored"
+    for key in ("token_ids", "logprobs"):
+        assert restored["choices"][0][key] == before["choices"][0][key]
 
 
 def test_reload_refuses_paths_outside_the_weights_root(server):
@@ -556,7 +601,7 @@ def test_reload_refuses_paths_outside_the_weights_root(server):
 
 def test_reload_under_load_loses_no_request_and_never_mixes_weights(server, new_weights, tokenizer):
     client, root, url, version = server["client"], server["root"], server["url"], weight_version(server)
-    models = {version: reference_model(root / "step_0"), version + 1: reference_model(new_weights)}
+    models = {version: reference_model(root / "step_0"), "loaded": reference_model(new_weights)}
     prompts = [tokenizer.encode("load " * (i % 5 + 1)) for i in range(20)]
     bodies = [
         generate_body(p, max_tokens=30, temperature=0.8, seed=i, ignore_eos=True)
@@ -575,6 +620,9 @@ def test_reload_under_load_loses_no_request_and_never_mixes_weights(server, new_
             assert not any(task.done() for task in held)  # paused: new requests wait
             rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(new_weights)}}
             assert (await http.post("/collective_rpc", json=rpc)).status_code == 200
+            assert (
+                await http.post("/update_weight_version", json={"new_version": "loaded"})
+            ).status_code == 200
             assert (await http.post("/resume")).status_code == 200
             return [r for r in await asyncio.gather(*early, *held)]
 
@@ -582,17 +630,15 @@ def test_reload_under_load_loses_no_request_and_never_mixes_weights(server, new_
         responses = asyncio.run(scenario())
     finally:
         client.post("/resume")
-        reload(server, root / "step_0")
+        reload(server, root / "step_0", version)
     assert [r.status_code for r in responses] == [200] * 20
     answers = [r.json() for r in responses]
-    assert {a["weight_version"] for a in answers[10:]} == {
-        version + 1
-    }  # held through the reload: new weights
+    assert {answer_version(a) for a in answers[10:]} == {"loaded"}  # held through the reload: new weights
     worst = 0.0
     for prompt, answer in zip(prompts, answers):
         choice = answer["choices"][0]
         assert len(choice["token_ids"]) == 30
-        expected = training_logprobs(models[answer["weight_version"]], prompt, choice["token_ids"], 0.8)
+        expected = training_logprobs(models[answer_version(answer)], prompt, choice["token_ids"], 0.8)
         worst = max(worst, (served_logprobs(choice) - expected).abs().max().item())
     assert worst < 1e-4, worst  # every token of every sequence came from the weights it reports
 
