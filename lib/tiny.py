@@ -23,9 +23,9 @@ class TinyConfig:
     """Width of the residual stream."""
     num_hidden_layers: int = 2
     """Number of transformer blocks."""
-    num_attention_heads: int = 4
-    """Query heads (head_dim = hidden_size / heads)."""
-    num_key_value_heads: int = 2
+    num_attention_heads: int = 2
+    """Query heads (head_dim = hidden_size / heads; 32 by default, a size vLLM's CPU attention supports)."""
+    num_key_value_heads: int = 1
     """Key/value heads (grouped-query attention)."""
     intermediate_size: int = 256
     """Width of the MLP."""
@@ -75,7 +75,9 @@ def build_model(config: TinyConfig, vocab_size: int, eos_token_id: int, pad_toke
         num_key_value_heads=config.num_key_value_heads,
         head_dim=config.hidden_size // config.num_attention_heads,
         max_position_embeddings=config.max_position_embeddings,
-        tie_word_embeddings=True,
+        # Untied: vLLM's CPU build keeps a packed copy of a tied lm_head that an in-place weight reload
+        # does not refresh, so it would go on sampling with the first lm_head (vLLM 0.32; GPUs unaffected).
+        tie_word_embeddings=False,
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         bos_token_id=None,
