@@ -1,4 +1,4 @@
-"""Inference servers from the controller's side: start scripts/serve.py on a free loopback port, wait for /health, stop it."""
+"""Inference servers from the controller's side: start scripts/serve.py on a free loopback port, wait for /health, watch it, stop it."""
 
 import contextlib
 import dataclasses
@@ -13,6 +13,8 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+# How often the controller checks a server's /health while it waits on it (rollouts, a reload).
+HEALTH_EVERY_S = 5.0
 
 
 @dataclasses.dataclass
@@ -63,6 +65,25 @@ def is_healthy(base_url: str, api_key: str | None = None, timeout: float = 2.0) 
     return response.status_code == 200
 
 
+def check_servers(urls: list[str], api_key: str | None = None, timeout: float = 5.0) -> None:
+    """A one-sentence ValueError for the first server that is gone (refuses connections) or stuck (does not
+    answer GET /health within `timeout` seconds, as a stopped process does)."""
+    for url in urls:
+        root = root_url(url)
+        try:
+            response = httpx.get(f"{root}/health", headers=headers(api_key), timeout=timeout)
+        except httpx.TimeoutException:
+            raise ValueError(
+                f"the inference server {root} did not answer /health within {timeout:.0f} s (is it frozen?)"
+            ) from None
+        except httpx.TransportError as error:
+            raise ValueError(
+                f"the inference server {root} is not reachable ({error}): did it stop?"
+            ) from None
+        if response.status_code != 200:
+            raise ValueError(f"the inference server {root} answered /health with {response.status_code}")
+
+
 def check_base_url(base_url: str, name: str = "the base URL") -> str:
     """The OpenAI-style base URL without a trailing slash; ValueError unless it ends in /v1."""
     base_url = base_url.rstrip("/")
@@ -73,11 +94,19 @@ def check_base_url(base_url: str, name: str = "the base URL") -> str:
 
 def served_model(base_url: str, api_key: str | None = None) -> str:
     """The model id a running server answers to (the first in GET /v1/models): requests must name it."""
+    return model_card(base_url, api_key)["id"]
+
+
+def model_card(base_url: str, api_key: str | None = None) -> dict:
+    """The first model of GET /v1/models (its `id`, and `max_model_len` on vLLM and the builtin engine)."""
     base_url = check_base_url(base_url)
     try:
         response = httpx.get(f"{base_url}/models", headers=headers(api_key), timeout=30)
         response.raise_for_status()
-        return response.json()["data"][0]["id"]
+        card = response.json()["data"][0]
+        if not isinstance(card.get("id"), str):
+            raise LookupError("no model id")
+        return card
     except httpx.HTTPStatusError as error:
         status = error.response.status_code
         raise ValueError(
@@ -155,22 +184,3 @@ def running_server(model: str, **kwargs):
         yield server
     finally:
         server.stop()
-
-
-def reload_weights(
-    urls: list[str], weights_path: Path, api_key: str | None = None, timeout: float = 600.0
-) -> None:
-    """Makes every server serve `weights_path`: pause (in-flight requests finish), reload, reset cache, resume."""
-    body = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_path)}}
-    with httpx.Client(headers=headers(api_key), timeout=timeout) as http:
-        for url in urls:
-            root = root_url(url)
-            for path, payload in (
-                ("/pause?mode=wait", None),
-                ("/collective_rpc", body),
-                ("/reset_prefix_cache", None),
-                ("/resume", None),
-            ):
-                response = http.post(root + path, json=payload)
-                if response.status_code >= 400:
-                    raise RuntimeError(f"{root}{path} answered {response.status_code}: {response.text[:300]}")

@@ -8,6 +8,7 @@ import time
 
 from lib import envs
 from lib.buffer import Buffer, Rollout, StepBatch
+from lib.client import HEALTH_EVERY_S
 
 # A run stops when no group has succeeded for this long (and many have failed): nothing works.
 FAILURE_PATIENCE_S = 60.0
@@ -61,11 +62,17 @@ class Producer:
     def start(self) -> None:
         self.thread.start()
 
-    def take(self, step: int, report=print) -> StepBatch:
+    def take(self, step: int, report=print, check=None) -> StepBatch:
         """Blocks until the step's groups are ready (re-raising a failure of the producer); on the way,
-        `report(message)` gets each rollout error since the last call, as it comes."""
+        `report(message)` gets each rollout error since the last call, as it comes, and `check()` runs
+        every HEALTH_EVERY_S seconds (rl.py's: a server that died or froze ends the run in seconds, where
+        the failing rollouts alone would take FAILURE_PATIENCE_S)."""
         future = asyncio.run_coroutine_threadsafe(self.buffer.take(step), self.loop)
+        checked = time.monotonic()
         while True:
+            if check is not None and time.monotonic() - checked >= HEALTH_EVERY_S:
+                check()
+                checked = time.monotonic()
             for message in self.pop_errors():
                 report(message)
             if isinstance(self.failure, ValueError):  # every episode fails: one sentence, no traceback

@@ -40,6 +40,10 @@ class InferenceConfig:
     """GPU memory share of the vLLM server rl.py starts (it shares the GPU with the trainer)."""
     max_concurrent: int = 64
     """Most episodes in flight at once."""
+    probe_tolerance: float | None = None
+    """Largest mean |logprob difference| allowed between a server and the trainer on the probe that
+    follows every weight load; past it the run stops. None = 1e-3 when the trainer computes in float32
+    (fp32 engines agree to ~1e-6), 0.05 in bfloat16 (bf16 engines differ by ~1e-2)."""
 
     def __post_init__(self):
         for url in self.urls:
@@ -48,6 +52,8 @@ class InferenceConfig:
             raise ValueError("inference.gpu_memory_utilization must be in (0, 1].")
         if self.max_concurrent < 1:
             raise ValueError("inference.max_concurrent must be at least 1.")
+        if self.probe_tolerance is not None and self.probe_tolerance <= 0:
+            raise ValueError("inference.probe_tolerance must be positive.")
 
 
 @dataclasses.dataclass
@@ -120,7 +126,7 @@ def main(cfg: Config) -> dict:
 
     import torch
 
-    from lib import client, dist, envs
+    from lib import client, dist, envs, sync
     from lib.buffer import pack
     from lib.checkpoint import drop_newer, load_checkpoint, open_run, save_checkpoint, save_weights
     from lib.log import RunLog
@@ -156,16 +162,34 @@ def main(cfg: Config) -> dict:
         if is_main:
             drop_newer(run_dir / "weights", start)
 
-    def publish(version: int) -> float:
-        """Writes weights/step_N and makes every server load them; returns the seconds it took."""
+    probe_prompt = tokenizer.encode(sync.PROBE_TEXT, add_special_tokens=False)
+    tolerance = cfg.inference.probe_tolerance or (1e-3 if save_dtype == torch.float32 else 0.05)
+
+    def publish(version: int, when: str) -> tuple[float, float]:
+        """Writes weights/step_N, makes every server load them and checks that each serves them (lib/sync.py);
+        returns the seconds it took and the largest mean |logprob difference| from the trainer."""
         began = time.perf_counter()
         path = save_weights(run_dir, version, model, tokenizer, save_dtype, cfg.keep_weights)
+        label = f"step_{version}"
+        probes = []
         if is_main:
-            client.reload_weights(urls, path.resolve(), api_key)
-        return time.perf_counter() - began
+            sync.reload_weights(urls, path, api_key, label)
+            probes = [sync.probe(url, name, probe_prompt, api_key) for url, name in zip(urls, names)]
+        probes = dist.scatter([probes] * world_size)  # every rank takes part in the trainer's forward
+        worst = 0.0
+        for probe in probes:
+            ids = torch.tensor([probe_prompt + probe.completion_ids], device=device)
+            with torch.no_grad(), autocast():
+                logits = model(
+                    input_ids=ids, position_ids=torch.arange(ids.shape[1], device=device)[None]
+                ).logits
+            mine = token_logp(logits, ids, sync.PROBE_TEMPERATURE)[0, len(probe_prompt) :].tolist()
+            if is_main:
+                worst = max(worst, sync.compare(probe, mine, label, tolerance, when))
+        return time.perf_counter() - began, worst
 
     # ------------------------------------------------------------ inference and rollouts (rank 0)
-    producer, server, urls, api_key, stop, log = None, None, [], None, None, None
+    producer, server, urls, names, api_key, stop, log = None, None, [], [], None, None, None
     try:
         if is_main:
             api_key = cfg.inference.api_key or os.environ.get("PLAINRL_API_KEY")
@@ -184,6 +208,10 @@ def main(cfg: Config) -> dict:
                     torch.set_num_threads(
                         cores if cfg.max_async_level == 0 else max(1, cores - server_threads)
                     )
+                # The trainer's dtype (auto: float32 on CPU, bfloat16 on CUDA), so the two agree.
+                dtype = (
+                    cfg.model.dtype if cfg.model.dtype != "auto" else str(save_dtype).removeprefix("torch.")
+                )
                 server = client.start_server(
                     cfg.model.name,
                     cfg.inference.port or None,
@@ -192,10 +220,11 @@ def main(cfg: Config) -> dict:
                     weights_root=run_dir.resolve(),
                     log_path=run_dir / "server.log",
                     extra_args=[
+                        *("--model.dtype", dtype),
                         *("--vllm.gpu-memory-utilization", str(cfg.inference.gpu_memory_utilization)),
                         # The model's own limit (262k tokens for some) would ask for more KV cache than a
                         # shared GPU has, and vLLM would not start.
-                        *("--vllm.max-model-len", str(max_model_len)),
+                        *("--max-model-len", str(max_model_len)),
                     ],
                     threads=server_threads,
                 )
@@ -214,10 +243,18 @@ def main(cfg: Config) -> dict:
                 for url, name in zip(urls, names)
             ]
             say(f"env {cfg.env.id}: {len(tasks)} examples; {len(urls)} server(s): {' '.join(urls)}")
-        if start or cfg.inference.urls:
-            # A started server loads model.name; bring it to the resumed weights. An attached one may
-            # hold another run's weights: load this run's starting point, or step 1 would be off-policy.
-            publish(start)
+            for url in urls:
+                longest = client.model_card(url, api_key).get("max_model_len") or 0
+                if longest > cfg.seq_len:
+                    say(
+                        f"WARNING: {url} serves sequences of up to {longest} tokens, more than seq_len "
+                        f"{cfg.seq_len}: longer episodes will be dropped (start it with --max-model-len {cfg.seq_len})"
+                    )
+        # Every server, started or attached, loads the run's starting weights from the run directory
+        # and is checked against the trainer before any training: an attached one may hold another run's
+        # weights (step 1 would be off-policy), and a server that cannot read the run directory, or runs
+        # another model or dtype, stops the run here rather than after a step.
+        publish(start, "at the start of the run")
         if is_main:
             producer = Producer(
                 env,
@@ -243,9 +280,20 @@ def main(cfg: Config) -> dict:
             # Rank 0 takes the step's groups and splits the packed micro-batches over the ranks.
             shares = [None] * world_size
             if is_main:
-                batch = producer.take(step, report=lambda message: log.print(f"rollout error: {message}"))
+                batch = producer.take(
+                    step,
+                    report=lambda message: log.print(f"rollout error: {message}"),
+                    check=lambda: client.check_servers(urls, api_key),
+                )
+                # A server may serve longer sequences than a training row holds: such rollouts are dropped.
+                fitting = [r for r in batch.rollouts if len(r.token_ids) <= cfg.seq_len]
+                if len(fitting) < len(batch.rollouts):
+                    log.print(
+                        f"WARNING step {step + 1}: dropped {len(batch.rollouts) - len(fitting)} rollouts longer "
+                        f"than seq_len {cfg.seq_len} (rollouts/too_long)"
+                    )
                 micro_batches = pack(
-                    batch.rollouts,
+                    fitting,
                     cfg.seq_len,
                     cfg.micro_batch_size,
                     tokenizer.pad_token_id,
@@ -293,7 +341,7 @@ def main(cfg: Config) -> dict:
 
             # -------------------------------------------------------- weight sync
             done = step + 1
-            synced = publish(done)
+            synced, probe_difference = publish(done, f"after step {done}")
             weights = run_dir / "weights" / f"step_{done}"
             if is_main:
                 producer.set_version(done)
@@ -314,10 +362,12 @@ def main(cfg: Config) -> dict:
                     "rollouts/staleness_mean": batch.staleness_mean,
                     "rollouts/staleness_max": batch.staleness_max,
                     "rollouts/errors": producer.num_errors,
+                    "rollouts/too_long": len(batch.rollouts) - len(fitting),
                     "perf/tokens_per_second": num_tokens / max(trained, 1e-9),
                     "time/wait_rollouts": waited,
                     "time/train": trained,
                     "time/sync_weights": synced,
+                    "sync/probe_logprob_difference": probe_difference,
                     "time/step": time.perf_counter() - began,
                 }
                 history.append(metrics)

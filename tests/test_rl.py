@@ -76,7 +76,9 @@ def test_the_server_rl_starts_gets_its_share_of_the_gpu_and_the_trainers_length(
         with pytest.raises(RuntimeError) as started:
             rl.main(config)
         served = parse(serve.Config, ["--model.name", str(tiny_dir), *started.value.args[0]])
-        return vllm_command(str(tiny_dir), "m", "127.0.0.1", 8000, "auto", 0, served.vllm)
+        return vllm_command(
+            str(tiny_dir), "m", "127.0.0.1", 8000, "auto", 0, served.vllm, max_model_len=served.max_model_len
+        )
 
     monkeypatch.setattr(client, "start_server", start_server)
     command = vllm_flags("--inference.gpu-memory-utilization", "0.25", "--seq-len", "1024")

@@ -1,0 +1,154 @@
+"""Weight sync from the controller's side: make every server load weights/step_N, and check it serves them.
+
+One policy for a server that cannot take new weights or stops answering: the run stops at once with
+one sentence naming the server and the likely cause (rl.py's checkpoints stay as they were, so
+`--resume` continues from the last one once the server is fixed). No restart behind the user's back: a
+server that fails to load a directory would fail again on the same directory.
+
+Each reload: POST /pause?mode=wait (in-flight requests finish on the old weights), /collective_rpc
+reload_weights, /update_weight_version with the label "step_N" (vLLM 0.32 then reports it in every
+/inference/v1/generate choice as `weight_versions`; the builtin engine does the same), /reset_prefix_cache,
+and /resume, which is sent to every server still answering even when the reload failed, so nothing stays
+paused (an eval attached to the server would hang). Then a probe: each server samples a few tokens of a
+fixed prompt at temperature 0.5, and the trainer scores them; the label must be the new one and the mean
+logprob difference small. That also catches, at the start of a run, a server with another model, dtype,
+chat template or logprobs mode (raw logprobs differ from the tempered ones the probe asks for).
+"""
+
+import dataclasses
+import threading
+from pathlib import Path
+
+import httpx
+
+from lib.client import HEALTH_EVERY_S, check_servers, headers, root_url
+
+# /pause?mode=wait returns when the longest in-flight completion has finished (minutes for long GPU
+# completions), and loading a large model takes a while too: a request may take this long, as long as
+# the server keeps answering /health meanwhile. A server that dies or freezes fails that check within
+# about 2 x HEALTH_EVERY_S, whatever it was doing.
+REQUEST_TIMEOUT_S = 900.0
+PROBE_TEXT = "The quick brown fox jumps over the lazy dog. 0123456789"
+PROBE_TEMPERATURE = 0.5
+PROBE_TOKENS = 8
+
+
+def likely_cause(url: str, directory: Path) -> str:
+    return (
+        f"is {directory} visible on that server's machine? (several nodes need the run directory on a "
+        "shared file system, at the same path)"
+    )
+
+
+def post(http: httpx.Client, url: str, path: str, timeout: float = REQUEST_TIMEOUT_S, **kwargs) -> dict:
+    """POST to a server's root, checking its /health every HEALTH_EVERY_S while waiting; a one-sentence
+    ValueError if it is unreachable, frozen, silent past `timeout` or refuses."""
+    root = root_url(url)
+    outcome = {}
+
+    def send():
+        try:
+            outcome["response"] = http.post(root + path, timeout=timeout, **kwargs)
+        except httpx.HTTPError as error:
+            outcome["error"] = error
+
+    # A daemon thread, not an executor: a request stuck on a frozen server must not hold up the exit.
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    sender.join(HEALTH_EVERY_S)
+    while sender.is_alive():
+        check_servers([url])
+        sender.join(HEALTH_EVERY_S)
+    try:
+        if "error" in outcome:
+            raise outcome["error"]
+        response = outcome["response"]
+    except httpx.TimeoutException:
+        raise ValueError(
+            f"the inference server {root} did not answer {path} within {timeout:.0f} s (is it frozen?)"
+        ) from None
+    except httpx.TransportError as error:
+        raise ValueError(f"the inference server {root} is not reachable ({error}): did it stop?") from None
+    if response.status_code >= 400:
+        raise ValueError(
+            f"the inference server {root} answered {path} with {response.status_code}: {response.text[:300]}"
+        )
+    return response.json() if response.content else {}
+
+
+def check_weights_dir(directory: Path) -> None:
+    """plainrl sends only complete weights directories it wrote (checkpoint.save_weights renames them into
+    place whole); anything else is a bug, not a user error."""
+    assert (directory / "config.json").is_file() and any(directory.glob("*.safetensors")), (
+        f"{directory} is not a complete weights directory"
+    )
+
+
+def reload_weights(urls: list[str], directory: Path, api_key: str | None, label: str) -> None:
+    """Makes every server serve `directory` under the label `label` (see the module docstring)."""
+    directory = Path(directory).resolve()
+    check_weights_dir(directory)
+    rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(directory)}}
+    with httpx.Client(headers=headers(api_key)) as http:
+        for url in urls:
+            post(http, url, "/pause?mode=wait")
+            try:
+                try:
+                    post(http, url, "/collective_rpc", json=rpc)
+                except ValueError as error:
+                    raise ValueError(
+                        f"{error}; the server could not load {directory}: {likely_cause(url, directory)}"
+                    ) from None
+                post(http, url, "/update_weight_version", json={"new_version": label})
+                post(http, url, "/reset_prefix_cache")
+            finally:
+                try:  # a server that died has nothing to resume; the error on the way out says what happened
+                    post(http, url, "/resume")
+                except ValueError:
+                    pass
+
+
+@dataclasses.dataclass
+class Probe:
+    """What one server sampled for the probe prompt."""
+
+    url: str
+    completion_ids: list[int]
+    logprobs: list[float]
+    label: str | None
+    """The weight label of the answer (None when the server reports none)."""
+
+
+def probe(url: str, model: str, prompt_ids: list[int], api_key: str | None) -> Probe:
+    """PROBE_TOKENS tokens of `prompt_ids`, sampled at PROBE_TEMPERATURE with a fixed seed, and their logprobs."""
+    params = {"max_tokens": PROBE_TOKENS, "temperature": PROBE_TEMPERATURE, "logprobs": 0, "seed": 0}
+    body = {"model": model, "token_ids": prompt_ids, "sampling_params": params | {"ignore_eos": True}}
+    with httpx.Client(headers=headers(api_key)) as http:
+        answer = post(http, url, "/inference/v1/generate", json=body)
+    choice = answer["choices"][0]
+    spans = choice.get("weight_versions") or []
+    return Probe(
+        url,
+        list(choice["token_ids"]),
+        [entry["logprob"] for entry in choice["logprobs"]["content"]],
+        spans[-1]["version"] if spans else None,
+    )
+
+
+def compare(probe: Probe, trainer_logprobs: list[float], label: str, tolerance: float, when: str) -> float:
+    """The mean |logprob difference| between a server and the trainer; ValueError past `tolerance` or when
+    the server reports other weights than `label`."""
+    if probe.label is not None and probe.label != label:
+        raise ValueError(
+            f"the inference server {root_url(probe.url)} serves weights {probe.label!r} {when}, not {label!r}: "
+            "it did not take the new weights"
+        )
+    difference = sum(abs(a - b) for a, b in zip(probe.logprobs, trainer_logprobs)) / len(trainer_logprobs)
+    if difference > tolerance:
+        raise ValueError(
+            f"the inference server {root_url(probe.url)} disagrees with the trainer {when}: mean |logprob "
+            f"difference| {difference:.3g} > inference.probe_tolerance {tolerance} on the same tokens; was it "
+            "started with another model, dtype, chat template or logprobs mode (vLLM needs "
+            "--logprobs-mode processed_logprobs)?"
+        )
+    return difference

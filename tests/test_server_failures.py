@@ -1,0 +1,164 @@
+"""rl.py when a server fails, on both engines alike: one that cannot see the run directory stops the run
+before training; one that is killed, or frozen (SIGSTOP), mid-run ends it within seconds with one
+sentence; `--resume` then continues from the last checkpoint.
+
+The servers run in a mount namespace of their own in which the directory `hidden/` is an empty tmpfs,
+as a server on another machine would see a run directory that is not on a shared file system.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from conftest import ROOT, load_script
+
+from lib import client
+from lib.config import parse
+
+pytestmark = pytest.mark.slow
+rl = load_script("rl")
+FIXTURES = ROOT / "tests" / "fixtures"
+sys.path.insert(0, str(FIXTURES))
+# How long rl.py may take to notice a dead or frozen server: two health checks (5 s apart, 5 s timeout)
+# and the step the trainer is on.
+NOTICE_S = 20.0
+ENGINES = ["torch", pytest.param("vllm", marks=pytest.mark.vllm)]
+
+
+def start_hidden(engine: str, model, root, name: str) -> client.Server:
+    """A server whose mount namespace hides `root/hidden` behind an empty tmpfs (tests run as root)."""
+    port = client.free_port()
+    hidden = root / "hidden"
+    hidden.mkdir(exist_ok=True)
+    serve = [sys.executable, str(ROOT / "scripts/serve.py"), "--model.name", str(model), "--port", str(port)]
+    serve += ["--engine", engine, "--model.dtype", "float32", "--weights-root", str(root)]
+    serve += ["--vllm.cpu-kv-cache-gib", "1", "--max-model-len", "1024"]
+    shell = f"mount -t tmpfs none {hidden} && exec {' '.join(serve)}"
+    log = root / f"{name}.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", shell],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            process_group=0,
+            preexec_fn=client.die_with_parent,
+        )
+    server = client.Server(process, f"http://127.0.0.1:{port}/v1", log)
+    deadline = time.monotonic() + 600
+    while not client.is_healthy(server.url):
+        assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.5)
+    return server
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def engine(request):
+    if request.param == "vllm":
+        request.getfixturevalue("vllm_installed")
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def hidden_server(engine, trained_tiny, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"failures-{engine}")
+    server = start_hidden(engine, trained_tiny, root, "hidden-server")
+    yield server, root
+    os.killpg(server.process.pid, signal.SIGCONT)
+    server.stop()
+
+
+def run_args(model, out, url, *extra) -> list[str]:
+    args = ["@", str(ROOT / "configs/tiny/rl.toml"), "--model.name", str(model), "--output-dir", str(out)]
+    args += ["--inference.urls", url, "--env.id", "letter_taskset", "--examples-per-step", "2"]
+    args += ["--rollouts-per-example", "4", "--sampling.max-tokens", "24", "--max-async-level", "0"]
+    return [*args, "--steps", "40", "--checkpoint-every", "2", *extra]
+
+
+def run_until_failure(args, ready, act) -> tuple[str, float]:
+    """Runs rl.py in this process; once the directory `ready` exists, calls `act()`. Returns the one
+    sentence the run ended with and the seconds from `act()` to the end."""
+    acted = {}
+
+    def watch():
+        while not ready.is_dir():
+            time.sleep(0.05)
+        act()
+        acted["at"] = time.monotonic()
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    with pytest.raises(ValueError) as ended:
+        rl.main(parse(rl.Config, args))
+    return str(ended.value), time.monotonic() - acted["at"]
+
+
+def last_checkpoint(out) -> int:
+    return max(int(path.name.removeprefix("step_")) for path in (out / "checkpoints").glob("step_*"))
+
+
+def resume(model, out, url, steps: int) -> dict:
+    args = run_args(model, out, url, "--resume")
+    args[args.index("--steps") + 1] = str(steps)
+    return rl.main(parse(rl.Config, args))
+
+
+def test_a_frozen_server_ends_the_run_in_seconds_and_resume_continues(hidden_server, trained_tiny, capsys):
+    server, root = hidden_server
+    out = root / "frozen"
+    freeze = lambda: os.killpg(server.process.pid, signal.SIGSTOP)  # noqa: E731 (engine processes too)
+    sentence, seconds = run_until_failure(
+        run_args(trained_tiny, out, server.url), out / "checkpoints" / "step_2", freeze
+    )
+    os.killpg(server.process.pid, signal.SIGCONT)
+    assert "did not answer" in sentence and "frozen" in sentence, sentence
+    assert seconds < NOTICE_S, seconds
+    print(f"\nfrozen server: the run ended {seconds:.1f} s after SIGSTOP: {sentence}")
+    checkpoint = last_checkpoint(out)
+    result = resume(trained_tiny, out, server.url, checkpoint + 2)
+    assert len(result["history"]) == 2 and (out / "checkpoints" / f"step_{checkpoint + 2}").is_dir()
+    assert f"resumed from {out / 'checkpoints' / f'step_{checkpoint}'}" in capsys.readouterr().out
+
+
+def test_a_server_that_cannot_see_the_run_directory_stops_it_before_training(hidden_server, trained_tiny):
+    server, root = hidden_server
+    out = root / "hidden" / "run"  # written here, invisible to the server
+    began = time.monotonic()
+    with pytest.raises(ValueError) as stopped:
+        rl.main(parse(rl.Config, run_args(trained_tiny, out, server.url)))
+    seconds = time.monotonic() - began
+    sentence = str(stopped.value)
+    assert "could not load" in sentence and "visible on that server's machine" in sentence, sentence
+    assert str(out / "weights" / "step_0") in sentence and server.url.removesuffix("/v1") in sentence
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())  # no training
+    print(f"\nunseen run directory: stopped {seconds:.1f} s after the run began: {sentence}")
+
+
+def test_a_killed_server_ends_the_run_in_seconds_and_resume_continues(
+    engine, trained_tiny, tmp_path, request
+):
+    server = start_hidden(engine, trained_tiny, tmp_path, "killed-server")
+    out = tmp_path / "killed"
+    kill = lambda: os.killpg(server.process.pid, signal.SIGKILL)  # noqa: E731
+    try:
+        sentence, seconds = run_until_failure(
+            run_args(trained_tiny, out, server.url), out / "checkpoints" / "step_2", kill
+        )
+    finally:
+        server.stop()
+    assert "not reachable" in sentence or "did not answer" in sentence, sentence
+    assert seconds < NOTICE_S, seconds
+    print(f"\nkilled server: the run ended {seconds:.1f} s after kill -9: {sentence}")
+    checkpoint = last_checkpoint(out)
+    if (
+        engine == "vllm"
+    ):  # the session's vLLM server takes over (rl.py loads the checkpoint's weights into it)
+        replacement = request.getfixturevalue("vllm_server")
+        result = resume(trained_tiny, out, replacement.url, checkpoint + 2)
+    else:
+        with client.running_server(str(trained_tiny), engine="torch", weights_root=tmp_path) as replacement:
+            result = resume(trained_tiny, out, replacement.url, checkpoint + 2)
+    assert len(result["history"]) == 2 and (out / "checkpoints" / f"step_{checkpoint + 2}").is_dir()

@@ -1,0 +1,86 @@
+"""Weight sync against the builtin server (lib/sync.py): a failed reload resumes the server and names it,
+the probe's verdicts, rollouts too long for a training row, the weights' label."""
+
+import shutil
+import sys
+
+import httpx
+import pytest
+from conftest import ROOT, load_script
+
+from lib import client, sync
+from lib.config import parse
+
+rl = load_script("rl")
+sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("sync-root")
+    with client.running_server(
+        str(tiny_dir), engine="torch", weights_root=root, log_path=root / "s.log"
+    ) as s:
+        yield s, root
+
+
+def test_a_failed_reload_resumes_the_server_and_names_it_and_the_directory(server, tiny_dir, tmp_path):
+    running, root = server
+    outside = shutil.copytree(tiny_dir, tmp_path / "weights" / "step_3")  # complete, but outside the root
+    with pytest.raises(ValueError) as failed:
+        sync.reload_weights([running.url], outside, None, "step_3")
+    sentence = str(failed.value)
+    assert client.root_url(running.url) in sentence and str(outside) in sentence and "403" in sentence
+    assert "visible on that server's machine" in sentence
+    # Before, the server stayed paused: every request after it (an attached eval) waited forever.
+    assert httpx.get(client.root_url(running.url) + "/is_paused").json() == {"is_paused": False}
+    assert client.is_healthy(running.url)
+
+
+def test_a_reload_labels_the_weights_and_the_probe_reports_the_label(server, tiny_dir):
+    running, root = server
+    weights = shutil.copytree(tiny_dir, root / "weights" / "step_7", dirs_exist_ok=True)
+    sync.reload_weights([running.url], weights, None, "step_7")
+    probe = sync.probe(running.url, client.served_model(running.url), [5, 6, 7, 8], None)
+    assert probe.label == "step_7" and len(probe.completion_ids) == len(probe.logprobs) == sync.PROBE_TOKENS
+
+
+def test_the_probe_stops_a_run_on_other_weights_or_a_disagreeing_server():
+    probe = sync.Probe("http://10.1.2.3:8000/v1", [1, 2], [-1.0, -2.0], "step_4")
+    assert sync.compare(probe, [-1.0, -2.0], "step_4", 0.02, "after step 4") == 0.0
+    with pytest.raises(
+        ValueError, match=r"http://10.1.2.3:8000 serves weights 'step_4' after step 5, not 'step_5'"
+    ):
+        sync.compare(probe, [-1.0, -2.0], "step_5", 0.02, "after step 5")
+    with pytest.raises(
+        ValueError, match=r"disagrees with the trainer at the start of the run: mean .* 0\.5 >"
+    ):
+        sync.compare(probe, [-1.5, -2.5], "step_4", 0.02, "at the start of the run")
+
+
+def test_a_dead_or_silent_server_is_one_sentence(tmp_path):
+    gone = f"http://127.0.0.1:{client.free_port()}/v1"
+    with pytest.raises(ValueError, match="is not reachable .*did it stop"):
+        client.check_servers([gone])
+    with httpx.Client() as http, pytest.raises(ValueError, match="is not reachable"):
+        sync.post(http, gone, "/pause?mode=wait")
+
+
+def test_rollouts_longer_than_a_training_row_are_dropped_not_fatal(server, tiny_dir, tmp_path, capsys):
+    running, root = server
+    args = [
+        "@",
+        str(ROOT / "configs/tiny/rl.toml"),
+        "--model.name",
+        str(tiny_dir),
+        "--output-dir",
+        str(root / "run"),
+    ]
+    args += ["--inference.urls", running.url, "--env.id", "letter_taskset", "--examples-per-step", "2"]
+    args += ["--rollouts-per-example", "8", "--sampling.max-tokens", "60", "--steps", "3", "--seq-len", "64"]
+    result = rl.main(parse(rl.Config, args))  # before: data.pack raised "longer than a row" at step 1
+    dropped = sum(m["rollouts/too_long"] for m in result["history"])
+    assert len(result["history"]) == 3 and dropped > 0
+    out = capsys.readouterr().out
+    assert "serves sequences of up to 2048 tokens, more than seq_len 64" in out
+    assert "rollouts longer than seq_len 64 (rollouts/too_long)" in out
