@@ -208,11 +208,8 @@ _bounds_cache: list = [None, None]
 
 
 def sequence_bounds(position_ids, rows: int, length: int) -> dict:
-    """Where the samples of each packed row start, from the restarts of position_ids (B or 1, L).
-
-    Returns {"starts": per-row lists of start offsets, "cu_seqlens": (samples + 1,) int32 offsets of
-    the samples in the flattened (B * L) batch, "max_seqlen": the longest sample}, cached for the tensor.
-    """
+    """Where the samples of each packed row start, from the restarts of position_ids (B or 1, L): per-row
+    start lists, the samples' int32 offsets in the flattened (B * L) batch and the longest sample."""
     import torch
 
     if _bounds_cache[0] is position_ids:
@@ -232,19 +229,16 @@ def sequence_bounds(position_ids, rows: int, length: int) -> dict:
 
 
 def varlen_kernel():
-    """(name, function) of flash-attn's variable-length kernel when installed, else torch's, else None."""
-    try:
+    """(name, function) of flash-attn's variable-length kernel when installed, else torch's."""
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn"):
         from flash_attn import flash_attn_varlen_func
 
         return "flash_attn", flash_attn_varlen_func
-    except ImportError:
-        pass
-    try:
-        from torch.nn.attention.varlen import varlen_attn
+    from torch.nn.attention import varlen  # torch >= 2.10 (the lock pins 2.13)
 
-        return "torch", varlen_attn
-    except ImportError:
-        return None
+    return "torch", varlen.varlen_attn
 
 
 def packed_attention(

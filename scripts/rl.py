@@ -3,7 +3,9 @@
 Starts (or attaches to) inference servers, keeps groups of rollouts in flight, computes
 group-relative advantages, trains with an importance-sampled policy loss, pushes new weights to every
 server each step, logs to tensorboard and checkpoints for exact resume. The loss variants and their
-papers are described in lib/loss.py (options: --loss.*).
+papers are described in lib/loss.py (options: --loss.*). Sampling takes temperature only: top_p and
+top_k are refused, since the trainer cannot reproduce the server's truncation exactly and the importance
+ratio would be biased (measured on-policy: 0.90 at top_p 0.9 instead of 1).
 
 Usage:
     python scripts/rl.py @ configs/tiny/rl.toml                                     # CPU
