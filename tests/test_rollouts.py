@@ -78,7 +78,7 @@ def test_stale_drops_give_their_slots_back(fake_env):
         # Every slot the trainer allows is in use again: started groups minus the one dropped.
         assert stale == 2 and run.task_index - 1 == (step + 1 + 1) * 1, (run.index, step)
         for _ in range(3):  # and a group is ready ahead of the trainer, step after step
-            time.sleep(0.1)
+            time.sleep(0.3)
             assert run.buffer.ready() >= 2
             run.take(step)
             step += 1
