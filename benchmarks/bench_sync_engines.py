@@ -56,7 +56,9 @@ def run(engine: str, model: Path, out: Path, steps: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
     from lib.tiny import write_tiny
@@ -66,7 +68,9 @@ def main() -> None:
         results = {engine: run(engine, model, Path(tmp) / engine, args.steps) for engine in ("torch", "vllm")}
     print(f"{'engine':8} {'start s':>8} {'sync s':>8} {'wait s':>8} {'rollouts/s':>11}")
     for engine, r in results.items():
-        print(f"{engine:8} {r['start_s']:8.1f} {r['sync_s']:8.3f} {r['wait_s']:8.3f} {r['rollouts_per_s']:11.1f}")
+        print(
+            f"{engine:8} {r['start_s']:8.1f} {r['sync_s']:8.3f} {r['wait_s']:8.3f} {r['rollouts_per_s']:11.1f}"
+        )
     ratio = results["vllm"]["rollouts_per_s"] / results["torch"]["rollouts_per_s"]
     print(f"vLLM CPU build / builtin engine: {ratio:.2f}x rollouts per second")
 

@@ -4,6 +4,7 @@ import asyncio
 import dataclasses
 import statistics
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from lib import data
@@ -23,13 +24,17 @@ class Rollout:
     reward: float
     """Scalar reward of the whole episode."""
     policy_version: int
-    """Optimizer steps behind the weights that sampled it (0 = the initial weights)."""
+    """Optimizer steps behind the weights that served the episode's first request (0 = the initial weights)."""
     env: str = ""
     """Environment name, for per-environment reward metrics."""
     completion: str = ""
     """The assistant turns as text, for logs and rollout records."""
     advantage: float = 0.0
-    """Set by the buffer: reward minus the group mean (divided by the group std when normalised)."""
+    """Set by the buffer: the episode's reward minus the group's mean episode reward (divided by the
+    group std when normalised)."""
+    episode: int | None = None
+    """Which episode of its group it comes from (None: an episode of its own): the branches of one episode (a chat template that
+    rewrites history forks it) share its reward and its advantage, and count once in the group mean."""
 
 
 def group_advantages(rewards: list[float], normalize: bool = False, eps: float = 1e-6) -> list[float]:
@@ -81,11 +86,19 @@ class Buffer:
     the buffer enforces the bound on what it hands out.
     """
 
-    def __init__(self, examples_per_step: int, max_async_level: int, normalize_advantage: bool = False):
+    def __init__(
+        self,
+        examples_per_step: int,
+        max_async_level: int,
+        normalize_advantage: bool = False,
+        on_stale: Callable[[], None] | None = None,
+    ):
         assert examples_per_step > 0 and max_async_level >= 0, "bad buffer settings"
         self.examples_per_step = examples_per_step
         self.max_async_level = max_async_level
         self.normalize_advantage = normalize_advantage
+        # Called once per group dropped as stale, so the producer can sample a replacement.
+        self.on_stale = on_stale
         self.queue: asyncio.Queue[list[Rollout]] = asyncio.Queue()
 
     def put(self, group: list[Rollout]) -> None:
@@ -112,18 +125,23 @@ class Buffer:
             group = await self.queue.get()
             if min(r.policy_version for r in group) < step - self.max_async_level:
                 num_stale += len(group)
+                if self.on_stale is not None:
+                    self.on_stale()
                 continue
             groups.append(group)
         wait_seconds = time.perf_counter() - start
 
         rollouts, num_flat = [], 0
         for index, group in enumerate(groups):
-            rewards = [r.reward for r in group]
-            if is_flat(rewards):
+            # One reward per episode, however many branches it has: the mean is over episodes.
+            episodes = [(i,) if r.episode is None else r.episode for i, r in enumerate(group)]
+            rewards = {episode: r.reward for episode, r in zip(episodes, group)}
+            if is_flat(list(rewards.values())):
                 num_flat += 1
                 continue
-            advantages = group_advantages(rewards, self.normalize_advantage)
-            groups[index] = [dataclasses.replace(r, advantage=a) for r, a in zip(group, advantages)]
+            advantages = group_advantages(list(rewards.values()), self.normalize_advantage)
+            by_episode = dict(zip(rewards, advantages))
+            groups[index] = [dataclasses.replace(r, advantage=by_episode[e]) for r, e in zip(group, episodes)]
             rollouts += groups[index]
         staleness = [step - r.policy_version for group in groups for r in group]
         return StepBatch(

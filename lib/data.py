@@ -202,31 +202,80 @@ def make_rows(samples: list[Sample], seq_len: int, packing: bool, pad_id: int):
 # ---------------------------------------------------------------- attention over packed rows
 
 
+# The boundaries of the forward in progress: every layer gets the same position_ids tensor, so they are
+# found once per forward (one host sync), not once per layer. Holding the tensor keeps `is` reliable.
+_bounds_cache: list = [None, None]
+
+
+def sequence_bounds(position_ids, rows: int, length: int) -> dict:
+    """Where the samples of each packed row start, from the restarts of position_ids (B or 1, L): per-row
+    start lists, the samples' int32 offsets in the flattened (B * L) batch and the longest sample."""
+    import torch
+
+    if _bounds_cache[0] is position_ids:
+        return _bounds_cache[1]
+    restarts = torch.diff(position_ids.expand(rows, -1), dim=-1) != 1  # (B, L-1)
+    starts = [[0] for _ in range(rows)]
+    for row, t in restarts.nonzero().tolist():
+        starts[row].append(t + 1)
+    flat = [row * length + s for row, row_starts in enumerate(starts) for s in row_starts] + [rows * length]
+    bounds = {
+        "starts": starts,
+        "cu_seqlens": torch.tensor(flat, dtype=torch.int32, device=position_ids.device),  # (samples + 1,)
+        "max_seqlen": max(e - s for s, e in zip(flat, flat[1:])),
+    }
+    _bounds_cache[:] = [position_ids, bounds]
+    return bounds
+
+
+def varlen_kernel():
+    """(name, function) of flash-attn's variable-length kernel when installed, else torch's."""
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn"):
+        from flash_attn import flash_attn_varlen_func
+
+        return "flash_attn", flash_attn_varlen_func
+    from torch.nn.attention import varlen  # torch >= 2.10 (the lock pins 2.13)
+
+    return "torch", varlen.varlen_attn
+
+
 def packed_attention(
     module, query, key, value, attention_mask, dropout=0.0, scaling=None, position_ids=None, **kwargs
 ):
     """Causal attention inside each sample of a packed row, as a transformers attention function.
 
     SDPA with transformers' block-diagonal mask computes every row_length^2 score and masks most of
-    them; one causal SDPA call per sample costs the sum of the samples' length^2, which is what makes
-    packing pay off without flash-attention's variable-length kernels. Samples start where position
-    ids restart (the convention of make_rows).
+    them. On CUDA a variable-length kernel (flash-attn's, or torch's) attends within each sample of the
+    flattened batch in one call; elsewhere one causal SDPA call per sample costs the sum of the
+    samples' length^2. Samples start where position ids restart (the convention of make_rows).
     """
     import torch
     import torch.nn.functional as F
 
     assert attention_mask is None and dropout == 0.0, "packed attention takes neither a mask nor dropout"
-    length = query.shape[2]  # query (B, H, L, D); key, value (B, KV heads, L, D)
+    rows, heads, length, dim = query.shape  # query (B, H, L, D); key, value (B, KV heads, L, D)
     if position_ids is None:
-        starts = [[0]] * query.shape[0]
-    else:
-        breaks = (torch.diff(position_ids.expand(query.shape[0], -1), dim=-1) != 1).nonzero().tolist()
-        starts = [[0] for _ in range(query.shape[0])]
-        for row, t in breaks:
-            starts[row].append(t + 1)
-    rows = []
-    for row, row_starts in enumerate(starts):
-        bounds = [*row_starts, length]
+        position_ids = torch.arange(length, device=query.device)[None]  # (1, L): one sample per row
+    bounds = sequence_bounds(position_ids, rows, length)
+    # The flash kernels take half precision only (bf16 under autocast); fp32 on CUDA takes the SDPA loop.
+    kernel = varlen_kernel() if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) else None
+    if kernel is not None:
+        # Flattened (B * L, heads, D): a sample never spans two rows, so the row ends are sample ends too.
+        q, k, v = (x.transpose(1, 2).reshape(rows * length, x.shape[1], dim) for x in (query, key, value))
+        cu, longest = bounds["cu_seqlens"], bounds["max_seqlen"]
+        name, attend = kernel
+        if name == "flash_attn":
+            out = attend(q, k, v, cu, cu, longest, longest, softmax_scale=scaling, causal=True)
+        else:  # window (-1, 0): causal
+            out = attend(
+                q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(-1, 0), enable_gqa=True
+            )
+        return out.reshape(rows, length, heads, dim), None  # (B, L, H, D)
+    out = []
+    for row, row_starts in enumerate(bounds["starts"]):
+        edges = [*row_starts, length]
         pieces = [
             F.scaled_dot_product_attention(
                 query[row : row + 1, :, s:e],
@@ -236,10 +285,10 @@ def packed_attention(
                 scale=scaling,
                 enable_gqa=True,
             )
-            for s, e in zip(bounds, bounds[1:])
+            for s, e in zip(edges, edges[1:])
         ]
-        rows.append(torch.cat(pieces, dim=2))  # (1, H, L, D)
-    return torch.cat(rows).transpose(1, 2).contiguous(), None  # (B, L, H, D)
+        out.append(torch.cat(pieces, dim=2))  # (1, H, L, D)
+    return torch.cat(out).transpose(1, 2).contiguous(), None  # (B, L, H, D)
 
 
 def use_packed_attention(model) -> None:

@@ -21,8 +21,14 @@ class Producer:
     It never runs further ahead than the trainer allows: groups started before version v is published
     serve steps up to v + max_async_level, so at most (version + max_async_level + 1) * examples_per_step
     groups are ever started. With max_async_level = 0 it waits for each step's weights (on-policy).
-    The version a group is tagged with is the one published when it started; a multi-turn episode that
-    straddles a reload is tagged with the older one (its staleness is over-, never under-stated).
+    Each episode is tagged with the version live when it gets its slot and sends its first request (not
+    when its group was queued behind others); a group is as old as its oldest episode. A multi-turn
+    episode that straddles a reload keeps the older version (its staleness is over-, never under-stated).
+    A group the buffer drops as stale, like a failed one, gives its slot back for a replacement.
+
+    Tasks are drawn in order; `task_index` counts those started. A checkpoint saves it and a resumed run
+    starts there: the groups in flight at the kill (at most (max_async_level + 1) * examples_per_step)
+    are skipped, never replayed, and the counter works as well for an endless stream of tasks.
     """
 
     def __init__(
@@ -43,7 +49,7 @@ class Producer:
         self.env, self.tasks, self.contexts = env, tasks, contexts
         self.group_size, self.examples_per_step = rollouts_per_example, examples_per_step
         self.max_async_level, self.env_name = max_async_level, env_name
-        self.version, self.index = start_version, start_index
+        self.version, self.task_index = start_version, start_index
         self.started = start_version * examples_per_step  # groups started, counted in step units
         self.num_errors = 0
         self.errors: list[str] = []
@@ -51,7 +57,7 @@ class Producer:
         self.last_success = time.monotonic()
         self.last_error = ""
         self.loop = asyncio.new_event_loop()
-        self.buffer = Buffer(examples_per_step, max_async_level, normalize_advantage)
+        self.buffer = Buffer(examples_per_step, max_async_level, normalize_advantage, self._give_slot_back)
         self.semaphore = asyncio.Semaphore(max_concurrent)
         self.wakeup: asyncio.Event | None = None
         self.failure: BaseException | None = None
@@ -134,10 +140,10 @@ class Producer:
                         self.wakeup.clear()
                         await self.wakeup.wait()
                         continue
-                    task = self.tasks[self.index % len(self.tasks)]
-                    self.index += 1
+                    task = self.tasks[self.task_index % len(self.tasks)]
+                    self.task_index += 1
                     self.started += 1
-                    job = asyncio.create_task(self._group(task, next(servers), self.version))
+                    job = asyncio.create_task(self._group(task, next(servers)))
                     in_flight.add(job)
                     job.add_done_callback(in_flight.discard)
                     await asyncio.sleep(0)
@@ -147,10 +153,13 @@ class Producer:
             self.failure = error
             raise
 
-    async def _group(self, task, context, version: int) -> None:
+    async def _group(self, task, context) -> None:
         async def one():
             async with self.semaphore:
-                return await envs.run_episode(self.env, task, context)
+                # The weights live now serve the episode's first request: a group queued behind others
+                # may start on newer weights than were live when it was queued.
+                version = self.version
+                return version, await envs.run_episode(self.env, task, context)
 
         try:
             episodes = await asyncio.gather(*(one() for _ in range(self.group_size)))
@@ -158,11 +167,12 @@ class Producer:
             self._error(f"{type(error).__name__}: {error}")
             self._replace_failed_group()
             return
-        group = []
-        for episode in episodes:
+        group, num_episodes = [], 0
+        for version, episode in episodes:
             samples, error = envs.training_samples(episode)
             if error:
                 self._error(error)
+            num_episodes += bool(samples)
             group += [
                 Rollout(
                     s.token_ids,
@@ -172,10 +182,11 @@ class Producer:
                     version,
                     self.env_name,
                     completion=s.completion,
+                    episode=num_episodes,
                 )
                 for s in samples
             ]
-        if len(group) < 2:
+        if num_episodes < 2:  # a group of one episode (however many branches) has no advantage
             self._replace_failed_group()
             return
         self.failed_in_a_row, self.last_success = 0, time.monotonic()
@@ -200,6 +211,12 @@ class Producer:
             self.wakeup.set()
 
         self.loop.call_later(1.0 if self.failed_in_a_row >= self.examples_per_step else 0.0, replace)
+
+    def _give_slot_back(self) -> None:
+        """The buffer dropped a stale group: sample a replacement, or the run would fall one group
+        further behind with each drop and end up synchronous without saying so."""
+        self.started -= 1
+        self.wakeup.set()
 
     def _error(self, message: str) -> None:
         self.num_errors += 1

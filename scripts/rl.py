@@ -3,7 +3,9 @@
 Starts (or attaches to) inference servers, keeps groups of rollouts in flight, computes
 group-relative advantages, trains with an importance-sampled policy loss, pushes new weights to every
 server each step, logs to tensorboard and checkpoints for exact resume. The loss variants and their
-papers are described in lib/loss.py (options: --loss.*).
+papers are described in lib/loss.py (options: --loss.*). Sampling takes temperature only: top_p and
+top_k are refused, since the trainer cannot reproduce the server's truncation exactly and the importance
+ratio would be biased (measured on-policy: 0.90 at top_p 0.9 instead of 1).
 
 Usage:
     python scripts/rl.py @ configs/tiny/rl.toml                                     # CPU
@@ -115,6 +117,12 @@ class Config:
             raise ValueError("rollouts_per_example must be at least 2: a group of one has no advantage.")
         if self.max_async_level < 0:
             raise ValueError("max_async_level must be >= 0.")
+        if self.sampling.top_p < 1 or self.sampling.top_k > 0:
+            raise ValueError(
+                "rl.py trains with sampling.top_p = 1 and sampling.top_k = -1 only: top_p and top_k truncate "
+                "the sampled distribution at a boundary the trainer cannot reproduce exactly, which biases "
+                "the importance ratio (use temperature to shape sampling)."
+            )
         if self.keep_weights < 2 or self.keep_checkpoints < 1 or self.checkpoint_every < 1:
             raise ValueError("keep_weights must be >= 2, keep_checkpoints and checkpoint_every >= 1.")
 
@@ -155,9 +163,13 @@ def main(cfg: Config) -> dict:
     # Inference logprobs are of the tempered distribution (the one sampled from); greedy reports temperature 1.
     temperature = cfg.sampling.temperature or 1.0
 
-    start = 0
+    start, task_index = 0, 0
     if cfg.resume and resume_from:
-        start = load_checkpoint(resume_from, model, optimizer, scheduler)["step"]
+        progress = load_checkpoint(resume_from, model, optimizer, scheduler)
+        start = progress["step"]
+        # Tasks started before the checkpoint, in flight ones included: those are skipped, not replayed.
+        # (Checkpoints older than the counter: one step's worth of tasks per step.)
+        task_index = progress.get("task_index", start * cfg.examples_per_step)
         say(f"resumed from {resume_from} (step {start})")
         if is_main:
             drop_newer(run_dir / "weights", start)
@@ -267,13 +279,13 @@ def main(cfg: Config) -> dict:
                 cfg.normalize_advantage,
                 cfg.env.id,
                 start_version=start,
-                start_index=start * cfg.examples_per_step,
+                start_index=task_index,
             )
             producer.start()
 
         # -------------------------------------------------------- loop
         log = RunLog(run_dir, cfg.steps, start, is_main, print_every=1)
-        history, weights, flat_steps = [], None, 0
+        history, weights, flat_steps, num_errors = [], None, 0, 0
         stop = StopAfterStep()
         for step in range(start, cfg.steps):
             began = time.perf_counter()
@@ -361,7 +373,7 @@ def main(cfg: Config) -> dict:
                     "rollouts/stale_dropped": batch.num_stale_rollouts,
                     "rollouts/staleness_mean": batch.staleness_mean,
                     "rollouts/staleness_max": batch.staleness_max,
-                    "rollouts/errors": producer.num_errors,
+                    "rollouts/errors": producer.num_errors - num_errors,
                     "rollouts/too_long": len(batch.rollouts) - len(fitting),
                     "perf/tokens_per_second": num_tokens / max(trained, 1e-9),
                     "time/wait_rollouts": waited,
@@ -372,6 +384,12 @@ def main(cfg: Config) -> dict:
                 }
                 history.append(metrics)
                 log.scalars(done, metrics)
+                if producer.num_errors > num_errors:
+                    log.print(
+                        f"step {done}: {producer.num_errors - num_errors} rollout errors "
+                        f"({producer.num_errors} in the run)"
+                    )
+                num_errors = producer.num_errors
                 if batch.num_flat_groups == len(batch.groups):
                     flat_steps += 1
                     log.print(
@@ -401,7 +419,7 @@ def main(cfg: Config) -> dict:
             # -------------------------------------------------------- checkpoint
             stopping = dist.all_sum(stop.requested, device) > 0  # a Ctrl-C on any rank stops them all here
             if done % cfg.checkpoint_every == 0 or done == cfg.steps or stopping:
-                progress = {"world_size": world_size}
+                progress = {"world_size": world_size, "task_index": producer.task_index if is_main else 0}
                 save_checkpoint(run_dir, done, model, optimizer, scheduler, progress, cfg.keep_checkpoints)
             if stopping and done < cfg.steps:
                 log.print(f"stopped after step {done}: checkpoints/step_{done} saved")

@@ -145,3 +145,26 @@ def test_packed_loss_equals_unpacked_loss(tiny_dir, attention):
     assert packed_shape[0] < shape[0] == len(TEXTS)  # several samples really share rows
     assert packed_loss == pytest.approx(loss, rel=1e-5)
     torch.testing.assert_close(packed_grad, grad, rtol=1e-4, atol=1e-6)
+
+
+def test_packed_attention_finds_sample_boundaries_once_per_forward(tiny_dir, monkeypatch):
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+    use_packed_attention(model)
+    assert model.config.num_hidden_layers >= 2
+    calls, diff = [], torch.diff
+
+    def counting_diff(*args, **kwargs):
+        calls.append(1)
+        return diff(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "diff", counting_diff)
+    samples = [([5, 6, 7, 8], [0, 1, 1, 1]), ([9, 10, 11], [0, 1, 1]), ([12, 13], [0, 1])]
+    input_ids, position_ids, _ = make_rows(samples, seq_len=9, packing=True, pad_id=0)
+    with torch.no_grad():
+        packed = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+        assert len(calls) == 1, f"boundaries computed {len(calls)} times in one forward"
+        offset = 0
+        for ids, _ in sorted(samples, key=lambda s: -len(s[0])):  # the row's order: longest first
+            alone = model(input_ids=torch.tensor([ids]), use_cache=False).logits
+            torch.testing.assert_close(packed[:, offset : offset + len(ids)], alone, rtol=1e-5, atol=1e-5)
+            offset += len(ids)

@@ -106,6 +106,35 @@ def test_a_run_whose_every_episode_fails_stops_with_the_error(tiny_dir, server, 
         rl.main(rl_config(tiny_dir, tmp_path / "run", server.url, *failing))
 
 
+def test_top_p_and_top_k_are_refused_for_training():
+    from lib.sampling import SamplingConfig
+
+    for sampling in (SamplingConfig(top_p=0.9), SamplingConfig(top_k=20)):
+        with pytest.raises(ValueError, match="top_p and top_k"):
+            rl.Config(sampling=sampling)
+    rl.Config(sampling=SamplingConfig(temperature=0.7))  # temperature alone is matched exactly
+
+
+def test_rollout_errors_are_logged_per_step_with_a_running_total(
+    tiny_dir, server, tmp_path, monkeypatch, capsys
+):
+    from replay_rl import ReplayProducer
+
+    import lib.rollouts
+
+    class FailingTwicePerStep(ReplayProducer):
+        num_errors = 0
+
+        def take(self, step, report=print):
+            self.num_errors += 2
+            return super().take(step, report)
+
+    monkeypatch.setattr(lib.rollouts, "Producer", FailingTwicePerStep)
+    result = rl.main(rl_config(tiny_dir, tmp_path / "run", server.url, "--steps", "3"))
+    assert [m["rollouts/errors"] for m in result["history"]] == [2, 2, 2]
+    assert "2 rollout errors (6 in the run)" in capsys.readouterr().out
+
+
 def test_on_policy_ratio_is_one_and_the_server_gets_each_step_weights(tiny_dir, server, tmp_path):
     # An earlier run leaves the attached server on other weights: the next run must start it on its own.
     rl.main(rl_config(tiny_dir, tmp_path / "earlier", server.url, "--steps", "1", "--optim.lr", "3e-2"))
