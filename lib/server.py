@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException
 
 from lib.engine import LOGPROB_FLOOR, Completion, Engine, SamplingParams
 from lib.protocol import ChatRequest, CompletionRequest, GenerateRequest, RpcRequest
+from lib.tools import parse_tool_calls
 
 
 def error(status: int, message: str) -> JSONResponse:
@@ -176,13 +177,18 @@ def build_app(engine: Engine, served_model_name: str, api_key: str | None, weigh
         completions = await generate(prompt_ids, params)
         choices = []
         for index, completion in enumerate(completions):
+            message = {"role": "assistant", "content": completion.text}
+            if body.tools:  # as vLLM with a hermes tool parser: <tool_call> blocks become tool_calls
+                message["content"], calls = parse_tool_calls(completion.text)
+                if calls:
+                    message["tool_calls"] = calls
             choice = {
                 "index": index,
-                "message": {"role": "assistant", "content": completion.text},
+                "message": message,
                 "logprobs": chat_logprobs(completion, body.return_tokens_as_token_ids)
                 if body.logprobs
                 else None,
-                "finish_reason": completion.finish_reason,
+                "finish_reason": "tool_calls" if message.get("tool_calls") else completion.finish_reason,
                 "stop_reason": completion.stop_reason,
             }
             if body.return_token_ids:
