@@ -27,7 +27,7 @@ class Producer:
     def __init__(
         self,
         env,
-        tasks: list,
+        tasks,
         contexts: list,
         rollouts_per_example: int,
         examples_per_step: int,
@@ -127,7 +127,7 @@ class Producer:
                         self.wakeup.clear()
                         await self.wakeup.wait()
                         continue
-                    task = self.tasks[self.index % len(self.tasks)]
+                    task = self.tasks[self.index]  # a TaskStream: drawn lazily, cycling a finite taskset
                     self.index += 1
                     self.started += 1
                     job = asyncio.create_task(self._group(task, next(servers), self.version))

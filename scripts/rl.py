@@ -213,7 +213,7 @@ def main(cfg: Config) -> dict:
                 envs.model_context(url, name, cfg.sampling, api_key, True, cfg.model.name, renderer)
                 for url, name in zip(urls, names)
             ]
-            say(f"env {cfg.env.id}: {len(tasks)} examples; {len(urls)} server(s): {' '.join(urls)}")
+            say(f"env {cfg.env.id}: {tasks.describe()}; {len(urls)} server(s): {' '.join(urls)}")
         if start or cfg.inference.urls:
             # A started server loads model.name; bring it to the resumed weights. An attached one may
             # hold another run's weights: load this run's starting point, or step 1 would be off-policy.
