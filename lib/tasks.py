@@ -71,6 +71,11 @@ class TaskStream:
         self.length = len(self.tasks)
         return self.tasks[index % self.length]
 
+    def __iter__(self):
+        """One pass over the tasks (without it, Python would iterate by index, cycling forever)."""
+        assert not self.endless, "an endless taskset is drawn by index, never iterated whole"
+        return iter(self.taskset)
+
     def describe(self) -> str:
         """How many tasks, for the log."""
         if self.endless:

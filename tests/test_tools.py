@@ -182,6 +182,7 @@ def test_a_finite_taskset_cycles_by_index_and_a_resume_starts_anywhere():
     ids = [tasks[i].data.id for i in range(7)]
     assert ids == ["reverse_text-0", "reverse_text-1", "reverse_text-2"] * 2 + ["reverse_text-0"]
     assert tasks.describe() == "3 examples"
+    assert [task.data.id for task in tasks] == ids[:3]  # iterating is one pass, never a cycle
     resumed = load_tasks(vf_env, env)
     assert resumed[4].data.id == "reverse_text-1"  # skipping ahead reads the taskset, in order
 
