@@ -1,14 +1,19 @@
 """plainrl_calculator: arithmetic the model must do with a `calculate` tool, then answer in <answer> tags.
 
 Each task is an expression of two or three small integers; the model is told to call the tool and
-answer with its result. Reward 1 when the answer is the expression's value, else 0; the metric
-`tool_called` says whether a tool result reached the model. Endless by default (`num_examples -1`):
+answer with its result. The reward has two halves: how close the expression of the model's first
+`calculate` call is to the task's (difflib ratio, 0 without a call), and 1 when the answer is the
+expression's value. A model that copies the expression and reads the result scores 1; the graded
+first half gives a small model's RL a signal before its answers are right. Metrics: `correct` (the
+answer alone) and `tool_called`. Endless by default (`num_examples -1`):
 the tasks are drawn from a seeded generator, as many as a run takes.
 """
 
 import itertools
+import json
 import random
 import re
+from difflib import SequenceMatcher
 
 import verifiers.v1 as vf
 from pydantic import model_validator
@@ -23,6 +28,21 @@ def parse_answer(reply: str) -> str:
     """The stripped content of the first <answer> block, or "" when there is none."""
     match = ANSWER.search(reply)
     return match.group(1).strip() if match else ""
+
+
+def called_expression(messages) -> str:
+    """The `expression` argument of the first calculate call among the messages, or "" if none."""
+    for message in messages:
+        for call in getattr(message, "tool_calls", None) or []:
+            if call.name != "calculate":
+                continue
+            try:
+                arguments = json.loads(call.arguments or "{}")
+            except json.JSONDecodeError:
+                return ""
+            value = arguments.get("expression") if isinstance(arguments, dict) else None
+            return value if isinstance(value, str) else ""
+    return ""
 
 
 def expression(rng: random.Random, max_operand: int, max_operands: int) -> str:
@@ -98,8 +118,12 @@ class CalculatorData(vf.TaskData):
 
 
 class CalculatorTask(vf.Task[CalculatorData, vf.State, vf.TaskConfig]):
-    @vf.reward(weight=1.0)
-    async def correct(self, task: CalculatorData, trace: vf.Trace) -> float:
+    @vf.reward(weight=0.5)
+    async def expression_match(self, task: CalculatorData, trace: vf.Trace) -> float:
+        return SequenceMatcher(None, called_expression(trace.messages), task.expression).ratio()
+
+    @vf.reward(weight=0.5)
+    async def answer_correct(self, task: CalculatorData, trace: vf.Trace) -> float:
         return float(parse_answer(trace.last_reply or "") == task.answer)
 
     @vf.metric
