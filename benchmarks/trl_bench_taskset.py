@@ -7,7 +7,7 @@ the stripped first <reversed_text> block to the reversed text).
 
 import verifiers.v1 as vf
 from bench_trl_grpo import SYSTEM_PROMPT, make_prompts
-from reverse_text import ReverseTextData, ReverseTextTask
+from plainrl_reverse_text import ReverseTextData, ReverseTextTask
 
 
 class TrlBenchConfig(vf.TasksetConfig):

@@ -31,19 +31,33 @@ def to_messages(row: dict) -> list[dict]:
         raise ValueError(
             f"a data record needs `messages` or `prompt` + `completion`, got keys {sorted(row)}."
         )
-    # Datasets add columns such as tool_calls=None that chat templates would render; keep the text only.
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    # Datasets add columns such as tool_calls=None that chat templates would render: keep the text, and
+    # the tool-call fields only where they are set.
+    keep = ("tool_calls", "tool_call_id")
+    return [
+        {"role": m["role"], "content": m["content"], **{key: m[key] for key in keep if m.get(key)}}
+        for m in messages
+    ]
 
 
-def load_conversations(env) -> list[list[dict]]:
-    """Conversations from `env.id`: a .jsonl path, a Hugging Face dataset id (has a `/`), or a taskset id."""
+def with_tools(row: dict, messages: list[dict]) -> list[dict] | dict:
+    """A conversation: its messages, or {"messages", "tools"} when the record offers tools (a `tools` column)."""
+    return {"messages": messages, "tools": row["tools"]} if row.get("tools") else messages
+
+
+def load_conversations(env) -> list[list[dict] | dict]:
+    """Conversations from `env.id`: a .jsonl path, a Hugging Face dataset id (has a `/`), or a taskset id.
+
+    A conversation is its list of messages, or {"messages": [...], "tools": [...]} when it offers tools.
+    """
     source = env.id
     if source.endswith(".jsonl"):
         path = Path(source)
         if not path.is_file():
             raise ValueError(f"data file {source} does not exist.")
         lines = [line for line in path.read_text().splitlines() if line.strip()]
-        conversations = [to_messages(json.loads(line)) for line in lines]
+        rows = [json.loads(line) for line in lines]
+        conversations = [with_tools(row, to_messages(row)) for row in rows]
     elif "/" in source:
         import datasets
 
@@ -53,9 +67,9 @@ def load_conversations(env) -> list[list[dict]]:
             raise ValueError(
                 f"could not reach the Hugging Face hub for {source}: give a local .jsonl instead."
             ) from None
-        conversations = [to_messages(row) for row in rows]
+        conversations = [with_tools(row, to_messages(row)) for row in rows]
     else:
-        from lib.envs import sft_conversations
+        from lib.tasks import sft_conversations
 
         conversations = sft_conversations(env)
     if env.num_examples > 0:
@@ -68,29 +82,30 @@ def load_conversations(env) -> list[list[dict]]:
 # ---------------------------------------------------------------- tokenization
 
 
-def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False, tools=None) -> list[int]:
     encoded = tokenizer.apply_chat_template(
-        messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=True
+        messages, tools=tools, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=True
     )
     return list(encoded["input_ids"])
 
 
-def tokenize_conversation(tokenizer, messages: list[dict]) -> list[Sample]:
+def tokenize_conversation(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[Sample]:
     """Token ids plus a mask of the assistant tokens, rendered through the tokenizer's chat template.
 
     Each assistant turn is located by rendering the conversation up to it with the generation prompt
     (not trained) and then with the turn itself (trained, through the end-of-turn token). When the
     template renders every turn as a growing prefix, the whole conversation is one sample; templates
     that rewrite earlier turns (Qwen3 drops old reasoning) give one sample per assistant turn, each in
-    exactly the context the model sees when it produces that turn.
+    exactly the context the model sees when it produces that turn. Tool results (role "tool") are
+    context, as user turns are; `tools` are the tools offered, rendered as the template does.
     """
     turns = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
     if not turns:
         raise ValueError("a conversation has no assistant message to learn from.")
     spans = []
     for i in turns:
-        prompt = render(tokenizer, messages[:i], add_generation_prompt=True)
-        full = render(tokenizer, messages[: i + 1])
+        prompt = render(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
+        full = render(tokenizer, messages[: i + 1], tools=tools)
         if full[: len(prompt)] != prompt:
             raise ValueError(
                 "the chat template does not render an assistant turn after its generation prompt."
@@ -115,11 +130,15 @@ def tokenize_conversation(tokenizer, messages: list[dict]) -> list[Sample]:
     ]
 
 
-def tokenize_all(tokenizer, conversations: list[list[dict]], seq_len: int) -> tuple[list[Sample], int]:
+def tokenize_all(tokenizer, conversations: list, seq_len: int) -> tuple[list[Sample], int]:
     """Every conversation's samples, cut to seq_len tokens; also returns how many were cut."""
     samples, truncated = [], 0
-    for messages in conversations:
-        for ids, mask in tokenize_conversation(tokenizer, messages):
+    for conversation in conversations:
+        if isinstance(conversation, dict):
+            messages, tools = conversation["messages"], conversation.get("tools")
+        else:
+            messages, tools = conversation, None
+        for ids, mask in tokenize_conversation(tokenizer, messages, tools):
             truncated += len(ids) > seq_len
             samples.append((ids[:seq_len], mask[:seq_len]))
     return samples, truncated

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from lib import patches
+from lib.tasks import TaskStream, resolve_id, sft_conversations  # noqa: F401 (sft_conversations lived here)
 
 # verifiers takes ~3 s to import: it is imported inside the functions, so EnvConfig stays cheap (--help).
 if TYPE_CHECKING:
@@ -37,11 +38,11 @@ def json_object(text: str, name: str) -> dict:
 @dataclasses.dataclass
 class EnvConfig:
     id: str = "reverse_text"
-    """Taskset id: reverse_text, alphabet_sort, or any installed verifiers taskset."""
+    """Taskset id: reverse_text, alphabet_sort, plainrl_calculator, or any installed verifiers taskset."""
     args: str = "{}"
     """JSON object of taskset arguments, e.g. '{"min_turns": 3}'."""
     num_examples: int = -1
-    """How many dataset examples to use (-1 = all the taskset provides)."""
+    """How many dataset examples to use (-1 = all the taskset provides; an endless one is drawn as needed)."""
     seed: int = 0
     """Seed of the dataset order and of synthetic data."""
 
@@ -104,11 +105,20 @@ def hf_rows(taskset: str, dataset: str, split: str, source: str) -> list[dict] |
 
 
 def taskset_args(env: EnvConfig) -> dict:
-    """The taskset's arguments: env.args, plus env.seed and env.num_examples where the taskset has such fields."""
+    """The taskset's arguments: env.args, plus env.seed and env.num_examples where the taskset has such fields.
+
+    A flat argument the taskset does not have but its task config does (upstream alphabet_sort keeps
+    `similarity_power` there) moves under "task", so both shapes reach the same field.
+    """
     import verifiers.v1 as vf
 
-    fields = vf.taskset_config_type(env.id).model_fields
+    config_type = vf.taskset_config_type(resolve_id(env.id))
+    fields = config_type.model_fields
     args = env.kwargs
+    task_type = fields["task"].annotation if "task" in fields else None
+    task_fields = getattr(task_type, "model_fields", {})
+    for key in [key for key in args if key not in fields and key in task_fields]:
+        args.setdefault("task", {})[key] = args.pop(key)
     if "seed" in fields:
         args.setdefault("seed", env.seed)
     if "num_examples" in fields and env.num_examples > 0:
@@ -131,7 +141,7 @@ def vf_env_config(env: EnvConfig) -> dict:
         ]
     }
     return {
-        "taskset": {"id": env.id, **taskset_args(env)},
+        "taskset": {"id": resolve_id(env.id), **taskset_args(env)},
         # Without these pins verifiers would start a remote sandbox and its `bash` harness.
         "agent": {"harness": {"id": "plainrl_chat"}, "runtime": {"type": "subprocess"}, "retries": retries},
         "interception": {"type": "server"},
@@ -162,13 +172,10 @@ def load_env(env: EnvConfig) -> "vf.Env":
     return vf.load_environment(config)
 
 
-def load_tasks(vf_env: "vf.Env", env: EnvConfig) -> list:
-    """The tasks of the env, at most env.num_examples of them."""
+def load_tasks(vf_env: "vf.Env", env: EnvConfig) -> TaskStream:
+    """The tasks of the env by index, at most env.num_examples of them, drawn lazily (never listed whole)."""
     taskset = vf_env.taskset if env.num_examples < 0 else vf_env.taskset.take(env.num_examples)
-    tasks = list(taskset)
-    if not tasks:
-        raise ValueError(f"environment {env.id} gave no tasks.")
-    return tasks
+    return TaskStream(taskset, env.id)
 
 
 # ---------------------------------------------------------------- running
@@ -179,6 +186,15 @@ def renderer_name(model: str) -> str:
     from renderers.base import MODEL_RENDERER_MAP
 
     return MODEL_RENDERER_MAP.get(model, "default")
+
+
+def renderer_config(name: str) -> dict:
+    """The train client's renderer by name; the chat-template one reads tool calls in Qwen's <tool_call> format.
+
+    (The tiny model's template writes them so; for a tokenizer without a <tool_call> token the parser
+    finds none and the reply stays text.)
+    """
+    return {"name": name, "tool_parser": "qwen3"} if name == "default" else {"name": name}
 
 
 def model_context(
@@ -215,7 +231,7 @@ def model_context(
         client = vf.TrainClientConfig(
             base_url=base_url,
             api_key_var=API_KEY_VAR,
-            renderer={"name": renderer_name(model) if renderer == "auto" else renderer},
+            renderer=renderer_config(renderer_name(model) if renderer == "auto" else renderer),
             renderer_model_name=str(tokenizer or model),
         )
     else:
@@ -318,7 +334,10 @@ def training_samples(episode: "vf.Episode") -> tuple[list[Sample], str | None]:
             messages = branch.messages
             first = next((i for i, m in enumerate(messages) if m.role == "assistant"), len(messages))
             completion = "\n".join(
-                str(m.content) if m.role == "assistant" else f"[{m.role}] {m.content}"
+                (m.content or "")
+                + "".join(f" [calls {c.name}({c.arguments})]" for c in getattr(m, "tool_calls", None) or [])
+                if m.role == "assistant"
+                else f"[{m.role}] {m.content}"
                 for m in messages[first:]
             )
             samples.append(
@@ -331,28 +350,3 @@ def training_samples(episode: "vf.Episode") -> tuple[list[Sample], str | None]:
                 )
             )
     return samples, None
-
-
-# ---------------------------------------------------------------- SFT data
-
-
-def sft_conversations(env: EnvConfig) -> list[list[dict]]:
-    """Conversations that end with the ideal assistant answers, from a taskset that knows them.
-
-    The taskset module provides `reference_conversation(task_data) -> list[dict]` (reverse_text and
-    alphabet_sort do); the chat messages are the ones an episode would show the model.
-    """
-    import verifiers.v1 as vf
-    from verifiers.v1.utils.loaders import import_taskset
-
-    try:
-        module = import_taskset(env.id)
-    except ModuleNotFoundError:
-        raise ValueError(f"environment {env.id} is not an installed verifiers taskset.") from None
-    if not hasattr(module, "reference_conversation"):
-        raise ValueError(f"environment {env.id} has no reference answers to build SFT data from.")
-    config = vf.taskset_config_type(env.id).model_validate({"id": env.id, **taskset_args(env)})
-    taskset = vf.load_taskset(config)
-    if env.num_examples > 0:
-        taskset = taskset.take(env.num_examples)
-    return [module.reference_conversation(task.data) for task in taskset]

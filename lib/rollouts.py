@@ -34,7 +34,7 @@ class Producer:
     def __init__(
         self,
         env,
-        tasks: list,
+        tasks,
         contexts: list,
         rollouts_per_example: int,
         examples_per_step: int,
@@ -140,7 +140,7 @@ class Producer:
                         self.wakeup.clear()
                         await self.wakeup.wait()
                         continue
-                    task = self.tasks[self.task_index % len(self.tasks)]
+                    task = self.tasks[self.task_index]  # a TaskStream: drawn lazily, cycling a finite taskset
                     self.task_index += 1
                     self.started += 1
                     job = asyncio.create_task(self._group(task, next(servers)))

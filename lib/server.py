@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException
 
 from lib.engine import LOGPROB_FLOOR, Completion, Engine, SamplingParams
 from lib.protocol import ChatRequest, CompletionRequest, GenerateRequest, RpcRequest
+from lib.tools import parse_tool_calls
 
 
 def error(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -263,6 +264,10 @@ def build_app(
         for index, completion in enumerate(completions):
             message = {"role": "assistant", "content": completion.text}
             message.update(refusal=None, annotations=None, audio=None, function_call=None, reasoning=None)
+            if body.tools:  # as vLLM with a hermes tool parser: <tool_call> blocks become tool_calls
+                message["content"], calls = parse_tool_calls(completion.text)
+                if calls:
+                    message["tool_calls"] = calls
             choices.append(
                 {
                     "index": index,
@@ -270,7 +275,7 @@ def build_app(
                     "logprobs": chat_logprobs(completion, top, body.return_tokens_as_token_ids)
                     if body.logprobs
                     else None,
-                    "finish_reason": completion.finish_reason,
+                    "finish_reason": "tool_calls" if message.get("tool_calls") else completion.finish_reason,
                     "stop_reason": completion.stop_reason,
                     "token_ids": completion.token_ids if body.return_token_ids else None,
                     "routed_experts": None,

@@ -8,10 +8,33 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>"]
 # Every character the synthetic tasks may produce: printable ASCII plus newline and tab.
 CHARACTERS = sorted(set(string.printable) - {"\r", "\x0b", "\x0c"})
 
+# Tool-call markers, single tokens as in Qwen (the train client's qwen3 tool parser finds them by id).
+# Added after the characters, so every other token keeps its id.
+TOOL_TOKENS = ["<tool_call>", "</tool_call>"]
+
 # Qwen-style turns. Each message renders on its own, so the first k turns are a token prefix of k + 1.
+# Tools, when offered, are listed in the system turn (one JSON object per line inside <tools>); an
+# assistant's tool calls follow its text as <tool_call>{"name": ..., "arguments": ...}</tool_call>, and
+# a tool result is a user turn wrapped in <tool_response>, as in Qwen's template (shorter wording).
 CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "Tools:\n<tools>\n{% for tool in tools %}{{ (tool['function'] if 'function' in tool else tool) | tojson }}\n"
+    '{% endfor %}</tools>\nCall one as <tool_call>{"name": ..., "arguments": {...}}</tool_call>.<|im_end|>\n'
+    "{% endif %}"
     "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% if not (tools and loop.first and message['role'] == 'system') %}"
+    "{% if message['role'] == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ message['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] or '' }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{% set function = call['function'] if 'function' in call else call %}"
+    '<tool_call>{"name": "{{ function[\'name\'] }}", "arguments": '
+    "{{ function['arguments'] if function['arguments'] is string else function['arguments'] | tojson }}}"
+    "</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -58,6 +81,7 @@ def build_tokenizer():
         additional_special_tokens=["<|im_start|>"],
         clean_up_tokenization_spaces=False,
     )
+    tokenizer.add_tokens(TOOL_TOKENS)  # not special: decoding keeps them, as in Qwen's tokenizer
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 

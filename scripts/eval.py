@@ -33,6 +33,7 @@ from lib.config import fail, parse, run_main, write_config
 from lib.envs import json_object
 from lib.model import ModelConfig
 from lib.sampling import SamplingConfig
+from lib.tasks import task_id
 
 
 @dataclasses.dataclass
@@ -48,7 +49,7 @@ class Config:
     engine: Literal["auto", "torch", "vllm"] = "auto"
     """Engine of the server started when no -b is given."""
     num_examples: Annotated[int, tyro.conf.arg(aliases=("-n",))] = 20
-    """Examples to evaluate (-1 = all)."""
+    """Examples to evaluate (-1 = all; an endless taskset needs a number)."""
     rollouts_per_example: Annotated[int, tyro.conf.arg(aliases=("-r",))] = 3
     """Rollouts per example; pass@k uses k = this."""
     env_args: str = "{}"
@@ -95,7 +96,7 @@ def record(example: int, rollout: int, episode) -> dict:
     return {
         "example": example,
         "rollout": rollout,
-        "task_id": episode.task.data.id,
+        "task_id": task_id(episode.task.data),
         "prompt": messages[:first_reply],
         "completion": messages[first_reply:],
         "messages": messages,
@@ -189,7 +190,11 @@ def main(cfg: Config) -> dict:
         vf_env = load_env(env)
     except ValueError as error:
         fail(str(error))
-    tasks = load_tasks(vf_env, env)
+    if cfg.num_examples < 0 and not vf_env.taskset.bounded:
+        fail(f"environment {cfg.env} is endless: give the number of examples to evaluate with -n.")
+    tasks = list(load_tasks(vf_env, env).taskset)  # bounded: finite, or cut to -n
+    if not tasks:
+        fail(f"environment {cfg.env} gave no tasks.")
 
     # ---------------------------------------------------------------- server
     with contextlib.ExitStack() as stack:

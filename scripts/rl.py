@@ -254,7 +254,7 @@ def main(cfg: Config) -> dict:
                 envs.model_context(url, name, cfg.sampling, api_key, True, cfg.model.name, renderer)
                 for url, name in zip(urls, names)
             ]
-            say(f"env {cfg.env.id}: {len(tasks)} examples; {len(urls)} server(s): {' '.join(urls)}")
+            say(f"env {cfg.env.id}: {tasks.describe()}; {len(urls)} server(s): {' '.join(urls)}")
             for url in urls:
                 longest = client.model_card(url, api_key).get("max_model_len") or 0
                 if longest > cfg.seq_len:

@@ -5,6 +5,7 @@ client, /inference/v1/generate for the train client), on a free loopback port, i
 """
 
 import contextlib
+import json
 import re
 import socket
 import threading
@@ -21,21 +22,34 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def oracle_app(conversations: list[list[dict]], tokenizer=None, broken: bool = False) -> FastAPI:
+def oracle_app(conversations: list, tokenizer=None, broken: bool = False) -> FastAPI:
     """Answers turn k of a conversation with its k-th reference reply, found by the first user message.
 
-    With `broken`, every answer is an HTTP 500 (to test that failures are counted, not raised).
+    A conversation is a list of messages or {"messages", "tools"}; a reference reply with tool_calls is
+    answered as a tool call (OpenAI tool_calls on chat completions, the chat template's <tool_call>
+    text on /generate). With `broken`, every answer is an HTTP 500 (to test that failures are counted,
+    not raised).
     """
     replies = {}
-    for messages in conversations:
+    for conversation in conversations:
+        messages = conversation["messages"] if isinstance(conversation, dict) else conversation
         first_user = next(m["content"] for m in messages if m["role"] == "user")
-        replies[first_user] = [m["content"] for m in messages if m["role"] == "assistant"]
+        replies[first_user] = [m for m in messages if m["role"] == "assistant"]
     app = FastAPI()
     app.state.requests = []
 
-    def answer(messages: list[dict]) -> str:
+    def reply(messages: list[dict]) -> dict:
         first_user = next(m["content"] for m in messages if m["role"] == "user")
         return replies[first_user][sum(m["role"] == "assistant" for m in messages)]
+
+    def answer(messages: list[dict]) -> str:
+        return reply(messages)["content"]
+
+    def wire_calls(message: dict) -> list[dict]:
+        return [
+            {**call, "function": {**call["function"], "arguments": json.dumps(call["function"]["arguments"])}}
+            for call in message["tool_calls"]
+        ]
 
     @app.get("/health")
     async def health():
@@ -56,14 +70,22 @@ def oracle_app(conversations: list[list[dict]], tokenizer=None, broken: bool = F
             return JSONResponse(
                 {"error": {"message": "oracle is broken", "type": "server_error"}}, status_code=500
             )
-        content = answer(body["messages"])
+        message = reply(body["messages"])
+        content = message["content"]
+        wire = {"role": "assistant", "content": content}
+        if message.get("tool_calls") and body.get("tools"):
+            wire["tool_calls"] = wire_calls(message)
         return {
             "id": "chatcmpl-oracle",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": body["model"],
             "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}
+                {
+                    "index": 0,
+                    "message": wire,
+                    "finish_reason": "tool_calls" if "tool_calls" in wire else "stop",
+                }
             ],
             "usage": {
                 "prompt_tokens": 1,
@@ -76,13 +98,16 @@ def oracle_app(conversations: list[list[dict]], tokenizer=None, broken: bool = F
     async def generate(request: Request):
         body = await request.json()
         app.state.requests.append(body)
-        # The char-level template: <|im_start|>role\ncontent<|im_end|>\n per message.
+        # The char-level template: <|im_start|>role\ncontent<|im_end|>\n per message (tools in the first).
         text = tokenizer.decode(body["token_ids"])
         messages = [
             {"role": role, "content": content}
             for role, content in re.findall(r"<\|im_start\|>(\w+)\n(.*?)<\|im_end\|>", text, re.DOTALL)
         ]
-        ids = tokenizer.encode(answer(messages), add_special_tokens=False) + [tokenizer.eos_token_id]
+        # The reply as the chat template writes an assistant turn (tool calls included), minus its frame.
+        rendered = tokenizer.apply_chat_template([reply(messages)], tokenize=False)
+        completion = rendered.removeprefix("<|im_start|>assistant\n").removesuffix("<|im_end|>\n")
+        ids = tokenizer.encode(completion, add_special_tokens=False) + [tokenizer.eos_token_id]
         logprobs = [{"token": f"token_id:{i}", "logprob": -0.25} for i in ids]
         return {
             "choices": [

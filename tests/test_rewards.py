@@ -2,9 +2,9 @@
 
 from difflib import SequenceMatcher
 
-import alphabet_sort as sort
+import plainrl_alphabet_sort as sort
+import plainrl_reverse_text as rt
 import pytest
-import reverse_text as rt
 
 # ---------------------------------------------------------------- reverse_text
 

@@ -1,4 +1,4 @@
-"""alphabet_sort: sort "FirstLast" names by FIRST or LAST name over several turns, each turn adding names."""
+"""plainrl_alphabet_sort (id alphabet_sort): sort "FirstLast" names by FIRST or LAST name over several turns, each turn adding names."""
 
 import random
 import re
@@ -155,6 +155,20 @@ class AlphabetSortConfig(vf.TasksetConfig):
     """Episodes to load (-1 = one per usable HF row, or 1000 synthetic ones)."""
     seed: int = 0
     """Seed of the HF row order, the turn splits, FIRST/LAST and the synthetic names."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flatten(cls, values):
+        """Upstream's shape keeps the reward settings under "task"; both shapes set the same fields."""
+        if isinstance(values, dict) and isinstance(values.get("task"), dict):
+            task = dict(values["task"])
+            for key in ("similarity_power", "power_per_turn"):
+                if key in task:
+                    if key in values and values[key] != task[key]:
+                        raise ValueError(f"{key} is given twice, flat and under task, with different values.")
+                    values = {**values, key: task.pop(key)}
+            values = {**values, "task": task}
+        return values
 
     @model_validator(mode="after")
     def _check(self):

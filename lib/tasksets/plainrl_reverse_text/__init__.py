@@ -1,4 +1,4 @@
-"""reverse_text: reverse a text character by character, scored by similarity to the true reversal."""
+"""plainrl_reverse_text (id reverse_text): reverse a text character by character, scored by similarity to the true reversal."""
 
 import random
 import re

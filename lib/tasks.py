@@ -1,0 +1,135 @@
+"""Tasks of a taskset: ids resolved to a module, tasks drawn lazily by a plain index, and SFT conversations."""
+
+import importlib.util
+import sys
+
+# plainrl's own tasksets live under names of their own; the public environments' ids find them too.
+OWN_TASKSETS = {"reverse_text": "plainrl_reverse_text", "alphabet_sort": "plainrl_alphabet_sort"}
+
+
+def module_name(env_id: str) -> str:
+    """The module verifiers imports for `env_id` (a hub id `owner/name@version` imports `name`)."""
+    return env_id.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
+
+
+def resolve_id(env_id: str) -> str:
+    """The taskset id to load: `reverse_text` and `alphabet_sort` name plainrl's own tasksets unless an
+    installed module of that name exists, which then wins; either way, when both exist, says which
+    was loaded and how to choose the other."""
+    name = module_name(env_id)
+    if name not in OWN_TASKSETS:
+        return env_id
+    own = OWN_TASKSETS[name]
+    if importlib.util.find_spec(name) is None:
+        return own
+    print(
+        f"environment {env_id}: loading the installed {name} module, not plainrl's own "
+        f"(environment id {own} loads plainrl's)",
+        file=sys.stderr,
+    )
+    return env_id
+
+
+def task_id(data) -> str | None:
+    """A task's id for results: its `id`, else its position in the taskset (`idx`, upstream tasksets)."""
+    if data.id is not None:
+        return str(data.id)
+    return None if data.idx is None else str(data.idx)
+
+
+class TaskStream:
+    """The tasks of a taskset by a plain integer index, drawn lazily as a run asks for them.
+
+    Index i is the taskset's task i mod its length: a finite taskset is read once and its tasks are
+    kept for the later passes (as a list of them would be); an endless one is never listed, and
+    nothing is kept (memory stays flat however many tasks are drawn). Indices are asked for in
+    increasing order; a resume starts at its own index, and the tasks before it are skipped unread.
+    """
+
+    def __init__(self, taskset, env_id: str):
+        self.taskset, self.env_id = taskset, env_id
+        self.endless = not taskset.bounded
+        self.tasks: list = []  # a finite taskset's tasks, once read
+        self.length: int | None = None  # known once a finite taskset has been read to its end
+        self.iterator = iter(taskset)
+        self.position = 0  # index of the next task the iterator yields
+
+    def __getitem__(self, index: int):
+        if self.length is not None:
+            return self.tasks[index % self.length]
+        assert index >= self.position or not self.endless, "an endless taskset is read forwards only"
+        if index < self.position:
+            return self.tasks[index]
+        for task in self.iterator:
+            self.position += 1
+            if not self.endless:
+                self.tasks.append(task)
+            if self.position > index:
+                return task
+        if not self.tasks:
+            raise ValueError(f"environment {self.env_id} gave no tasks.")
+        self.length = len(self.tasks)
+        return self.tasks[index % self.length]
+
+    def __iter__(self):
+        """One pass over the tasks (without it, Python would iterate by index, cycling forever)."""
+        assert not self.endless, "an endless taskset is drawn by index, never iterated whole"
+        return iter(self.taskset)
+
+    def describe(self) -> str:
+        """How many tasks, for the log."""
+        if self.endless:
+            return "endless taskset, tasks drawn as needed"
+        return "finite taskset, read as needed" if self.length is None else f"{self.length} examples"
+
+
+def reference_answer(data) -> str | None:
+    """A task's reference answer, where its data carries one (upstream tasksets: `answer`)."""
+    answer = getattr(data, "answer", None)
+    return answer if isinstance(answer, str) and answer else None
+
+
+def answer_conversation(data) -> list[dict]:
+    """The chat an episode shows the model (system prompt, prompt), answered with the task's answer."""
+    messages = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
+    if isinstance(data.prompt, str):
+        messages.append({"role": "user", "content": data.prompt})
+    elif data.prompt:
+        messages += [message.model_dump(exclude_none=True) for message in data.prompt]
+    return messages + [{"role": "assistant", "content": reference_answer(data)}]
+
+
+def sft_conversations(env) -> list:
+    """Conversations that end with the ideal assistant answers, from a taskset that knows them.
+
+    A taskset module may provide `reference_conversation(task_data) -> list[dict]` (plainrl's do), and
+    `reference_tools() -> list[dict]` for the tools its episodes offer; otherwise tasks whose data has
+    an `answer` give the prompt answered with it. An endless taskset needs env.num_examples.
+    """
+    import verifiers.v1 as vf
+    from verifiers.v1.utils.loaders import import_taskset
+
+    from lib.envs import taskset_args
+
+    env_id = resolve_id(env.id)
+    try:
+        module = import_taskset(env_id)
+    except ModuleNotFoundError:
+        raise ValueError(f"environment {env.id} is not an installed verifiers taskset.") from None
+    config = vf.taskset_config_type(env_id).model_validate({"id": env_id, **taskset_args(env)})
+    taskset = vf.load_taskset(config)
+    if env.num_examples > 0:
+        taskset = taskset.take(env.num_examples)
+    elif not taskset.bounded:
+        raise ValueError(f"environment {env.id} is endless: give the number of examples (num_examples).")
+    tools = module.reference_tools() if hasattr(module, "reference_tools") else None
+    conversations = []
+    for task in taskset:
+        if hasattr(module, "reference_conversation"):
+            messages = module.reference_conversation(task.data)
+        elif reference_answer(task.data) is not None:
+            messages = answer_conversation(task.data)
+        else:
+            raise ValueError(f"environment {env.id} has no reference answers to build SFT data from.")
+        conversations.append({"messages": messages, "tools": tools} if tools else messages)
+    return conversations
