@@ -1,5 +1,6 @@
 """rl.py end to end on the tiny model: on-policy ratio, weight sync, staleness, kill -9 and resume."""
 
+import json
 import os
 import shutil
 import signal
@@ -7,8 +8,6 @@ import socket
 import subprocess
 import sys
 import time
-
-import json
 
 import httpx
 import pytest
