@@ -29,6 +29,10 @@ class Rollout:
     """Environment name, for per-environment reward metrics."""
     completion: str = ""
     """The assistant turns as text, for logs and rollout records."""
+    task_id: str = ""
+    """Id of the task (example) the episode played, for rollout records."""
+    prompt: str = ""
+    """The prompt as text (roles tagged), for rollout records."""
     advantage: float = 0.0
     """Set by the buffer: the episode's reward minus the group's mean episode reward (divided by the
     group std when normalised)."""

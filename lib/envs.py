@@ -312,6 +312,8 @@ class Sample:
     """Reward of the whole episode."""
     completion: str
     """Everything after the prompt as text (user turns tagged), for logs."""
+    prompt: str = ""
+    """The messages before the first reply as text (roles tagged), for logs."""
 
 
 def training_samples(episode: "vf.Episode") -> tuple[list[Sample], str | None]:
@@ -347,6 +349,7 @@ def training_samples(episode: "vf.Episode") -> tuple[list[Sample], str | None]:
                     logprobs=list(branch.logprobs),
                     reward=float(trace.reward),
                     completion=completion,
+                    prompt="\n".join(f"[{m.role}] {m.content}" for m in messages[:first]),
                 )
             )
     return samples, None

@@ -1,6 +1,90 @@
-"""Training logs: tensorboard scalars and text, a progress bar with ETA, and periodic console lines (rank 0 only)."""
+"""Run logs, rank 0 only: tensorboard always, Weights & Biases when asked, a progress bar and console lines."""
 
+import dataclasses
+import html
+import importlib.util
+import json
+import uuid
 from pathlib import Path
+
+WANDB_INSTALL = "pip install wandb (or: pip install -r requirements.lock, which has it)"
+
+
+@dataclasses.dataclass
+class WandbConfig:
+    project: str | None = None
+    """Weights & Biases project; None = no wandb (tensorboard only)."""
+    name: str | None = None
+    """Run name shown in wandb (default: wandb picks one)."""
+    entity: str | None = None
+    """wandb team or user (default: your default entity)."""
+    tags: list[str] = dataclasses.field(default_factory=list)
+    """Tags of the wandb run."""
+    offline: bool = False
+    """Write the wandb run to run_dir/wandb only (no network); `wandb sync` uploads it later."""
+
+    def __post_init__(self):
+        if self.project is None and (self.name or self.entity or self.tags or self.offline):
+            raise ValueError(
+                "wandb.name, wandb.entity, wandb.tags and wandb.offline need wandb.project as well."
+            )
+        # Checked when the config is parsed: a run that asks for wandb fails before any heavy work.
+        if self.project is not None and importlib.util.find_spec("wandb") is None:
+            raise ValueError(
+                f"wandb.project needs the wandb package, which is not installed: {WANDB_INSTALL}."
+            )
+
+
+def start_wandb(cfg: WandbConfig, run_dir: Path, config: dict, resume: bool = False):
+    """The wandb run (files under run_dir/wandb), or None when cfg.project is None.
+
+    The run id is kept in run_dir/wandb_id, so a resumed training run continues the same wandb run."""
+    if cfg.project is None:
+        return None
+    import wandb
+
+    id_file = Path(run_dir) / "wandb_id"
+    run_id = id_file.read_text().strip() if resume and id_file.exists() else uuid.uuid4().hex[:8]
+    id_file.parent.mkdir(parents=True, exist_ok=True)
+    id_file.write_text(run_id + "\n")
+    return wandb.init(
+        project=cfg.project,
+        name=cfg.name,
+        entity=cfg.entity,
+        tags=cfg.tags or None,
+        mode="offline" if cfg.offline else None,
+        dir=str(run_dir),
+        config=config,
+        id=run_id,
+        resume="allow",
+    )
+
+
+def wandb_eval(cfg: WandbConfig, run_dir: Path, config: dict, summary: dict, records: list[dict]) -> None:
+    """eval.py's wandb run (when cfg.project is set): the summary's numbers and a table of the results."""
+    run = start_wandb(cfg, run_dir, config)
+    if run is None:
+        return
+    import wandb
+
+    flat = {k: v for k, v in summary.items() if isinstance(v, int | float)}
+    flat.update({f"pass@{k}": v for k, v in summary.get("pass_at_k", {}).items()})
+    run.summary.update(flat)
+    columns = [
+        "example",
+        "rollout",
+        "task_id",
+        "reward",
+        "num_completion_tokens",
+        "error",
+        "prompt",
+        "completion",
+    ]
+    rows = [
+        [r[c] if c not in ("prompt", "completion") else json.dumps(r[c]) for c in columns] for r in records
+    ]
+    run.log({"results": wandb.Table(columns=columns, data=rows)})
+    run.finish()
 
 
 def fmt(value: float) -> str:
@@ -15,10 +99,20 @@ class RunLog:
     terminal, so a log file gets the lines alone.
     """
 
-    def __init__(self, run_dir: Path, total_steps: int, start_step: int, enabled: bool, print_every: int):
+    def __init__(
+        self,
+        run_dir: Path,
+        total_steps: int,
+        start_step: int,
+        enabled: bool,
+        print_every: int,
+        wandb: WandbConfig | None = None,
+        config: dict | None = None,
+    ):
         self.enabled, self.print_every = enabled, print_every
         if not enabled:
             return
+        self.wandb = start_wandb(wandb or WandbConfig(), run_dir, config or {}, resume=start_step > 0)
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
         from torch.utils.tensorboard import SummaryWriter
@@ -50,10 +144,25 @@ class RunLog:
             return
         for name, value in values.items():
             self.writer.add_scalar(name, value, step)
+        if self.wandb is not None:
+            self.wandb.log(values, step=step)
         summary = "  ".join(f"{name.split('/')[-1]} {fmt(value)}" for name, value in values.items())
         self.progress.update(self.task, completed=step, metrics=summary)
         if step % self.print_every == 0:
             self.print(f"step {step}  {summary}")
+
+    def evaluation(self, step: int, values: dict[str, float]) -> None:
+        """Logs an evaluation's eval/* scalars at `step` (0 = before training) with one console line."""
+        if not self.enabled:
+            return
+        for name, value in values.items():
+            self.writer.add_scalar(name, value, step)
+        if self.wandb is not None:
+            self.wandb.log(values, step=step)
+        self.print(
+            f"eval at step {step}  "
+            + "  ".join(f"{k.removeprefix('eval/')} {fmt(v)}" for k, v in values.items())
+        )
 
     def flush(self) -> None:
         """Puts every event so far on disk (call it with each checkpoint: a killed run keeps its curves)."""
@@ -63,8 +172,14 @@ class RunLog:
     def text(self, step: int, tag: str, text: str) -> None:
         if self.enabled:
             self.writer.add_text(tag, text, step)
+            if self.wandb is not None:
+                import wandb
+
+                self.wandb.log({tag: wandb.Html(f"<pre>{html.escape(text)}</pre>")}, step=step)
 
     def close(self) -> None:
         if self.enabled:
             self.progress.stop()
             self.writer.close()
+            if self.wandb is not None:
+                self.wandb.finish()

@@ -3,8 +3,10 @@
 import asyncio
 import contextlib
 import itertools
+import json
 import threading
 import time
+from pathlib import Path
 
 from lib import envs
 from lib.buffer import Buffer, Rollout, StepBatch
@@ -183,6 +185,8 @@ class Producer:
                     self.env_name,
                     completion=s.completion,
                     episode=num_episodes,
+                    task_id=str(task.data.id),
+                    prompt=s.prompt,
                 )
                 for s in samples
             ]
@@ -223,3 +227,13 @@ class Producer:
         self.last_error = message
         if len(self.errors) < 20:
             self.errors.append(message)
+
+
+def write_records(path: Path, groups: list[list[Rollout]]) -> None:
+    """One JSON line per rollout of the step: task id, prompt, completion, reward, advantage, policy version."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fields = ("task_id", "prompt", "completion", "reward", "advantage", "policy_version")
+    with path.open("w") as out:
+        for group in groups:
+            for r in group:
+                out.write(json.dumps({name: getattr(r, name) for name in fields}) + "\n")

@@ -48,7 +48,7 @@ class TaskStream:
 
     def __init__(self, taskset, env_id: str):
         self.taskset, self.env_id = taskset, env_id
-        self.endless = not taskset.bounded
+        self.endless = not getattr(taskset, "bounded", True)  # a list of tasks is finite
         self.tasks: list = []  # a finite taskset's tasks, once read
         self.length: int | None = None  # known once a finite taskset has been read to its end
         self.iterator = iter(taskset)

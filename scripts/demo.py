@@ -74,30 +74,22 @@ def evaluate(cfg: Config, model: Path, name: str) -> dict:
 
 
 def plot(cfg: Config, before: float, after: float) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """rl.py's reward curve again, with the evaluations before and after RL as dashed lines."""
+    from lib.plot import plot_curve
 
     steps, rewards = [], []
     for path in sorted((cfg.out / "rl" / "rollouts").glob("step_*.jsonl"), key=lambda p: int(p.stem[5:])):
         values = [json.loads(line)["reward"] for line in path.read_text().splitlines()]
         steps.append(int(path.stem[5:]))
         rewards.append(sum(values) / len(values))
-    figure, axes = plt.subplots(figsize=(7, 4))
-    axes.plot(steps, rewards, marker=".", alpha=0.4, label="RL rollouts (mean reward per step)")
-    window = 20  # the per-step means of 64 rollouts are noisy: a moving average shows the trend
-    if len(rewards) >= window:
-        smooth = [sum(rewards[i - window : i]) / window for i in range(window, len(rewards) + 1)]
-        axes.plot(steps[window - 1 :], smooth, color="tab:blue", label=f"moving average of {window} steps")
-    axes.axhline(before, color="gray", linestyle="--", label=f"eval after SFT: {before:.3f}")
-    axes.axhline(after, color="green", linestyle="--", label=f"eval after RL: {after:.3f}")
-    axes.set(xlabel="RL step", ylabel="reward", title="plainrl demo: tiny Qwen3 on reverse_text (CPU)")
-    axes.legend(loc="lower right")
-    axes.grid(alpha=0.3)
-    path = cfg.out / "reward_curve.png"
-    figure.savefig(path, dpi=120, bbox_inches="tight")
-    return path
+    return plot_curve(
+        cfg.out / "reward_curve.png",
+        steps,
+        rewards,
+        "RL rollouts (mean reward per step)",
+        "plainrl demo: tiny Qwen3 on reverse_text (CPU)",
+        lines={"eval after SFT": before, "eval after RL": after},
+    )
 
 
 def main(cfg: Config) -> dict:

@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import statistics
 import time
@@ -31,9 +30,10 @@ import tyro
 from lib.client import check_base_url
 from lib.config import fail, parse, run_main, write_config
 from lib.envs import json_object
+from lib.evaluation import pass_at_k, run_all, summarize  # noqa: F401 (pass_at_k: eval.pass_at_k for users)
+from lib.log import WandbConfig
 from lib.model import ModelConfig
 from lib.sampling import SamplingConfig
-from lib.tasks import task_id
 
 
 @dataclasses.dataclass
@@ -66,6 +66,8 @@ class Config:
     """Sample completions printed at the end."""
     seed: int = 0
     """Seed of the example order and synthetic data."""
+    wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
+    """Weights & Biases: the summary and a results table (off unless wandb.project is set)."""
 
     def __post_init__(self):
         if self.num_examples == 0 or self.num_examples < -1:
@@ -79,90 +81,6 @@ class Config:
         json_object(self.env_args, "env_args")
 
 
-def pass_at_k(num_rollouts: int, num_correct: int, k: int) -> float:
-    """Probability that at least one of k rollouts drawn from num_rollouts is correct (Chen et al. 2021)."""
-    if num_rollouts - num_correct < k:
-        return 1.0
-    return 1.0 - math.comb(num_rollouts - num_correct, k) / math.comb(num_rollouts, k)
-
-
-def record(example: int, rollout: int, episode) -> dict:
-    """One results.jsonl line: the whole conversation, the reward, its parts, tokens and any error."""
-    from lib.envs import episode_error, episode_reward
-
-    trace = episode.traces[-1] if episode.traces else None
-    messages = [{"role": m.role, "content": m.content} for m in trace.messages] if trace else []
-    first_reply = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
-    return {
-        "example": example,
-        "rollout": rollout,
-        "task_id": task_id(episode.task.data),
-        "prompt": messages[:first_reply],
-        "completion": messages[first_reply:],
-        "messages": messages,
-        "reward": episode_reward(episode),
-        "rewards": {k: v.score for k, v in trace.rewards.items() if v is not None} if trace else {},
-        "metrics": {k: v for k, v in trace.metrics.items() if v is not None} if trace else {},
-        "num_prompt_tokens": trace.num_input_tokens if trace else 0,
-        "num_completion_tokens": trace.num_output_tokens if trace else 0,
-        "num_turns": trace.num_turns if trace else 0,
-        "stop_condition": trace.stop_condition if trace else None,
-        "error": episode_error(episode),
-    }
-
-
-def summarize(records: list[dict], rollouts_per_example: int) -> dict:
-    rewards = [r["reward"] for r in records]
-    by_example: dict[int, list[dict]] = {}
-    for r in records:
-        by_example.setdefault(r["example"], []).append(r)
-    ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64) if k <= rollouts_per_example} | {rollouts_per_example})
-    correct = [sum(r["reward"] >= 1.0 for r in group) for group in by_example.values()]
-    causes: dict[str, int] = {}
-    for r in records:
-        if r["error"]:
-            causes[r["error"][:300]] = causes.get(r["error"][:300], 0) + 1
-    return {
-        "avg_reward": statistics.fmean(rewards),
-        "std_reward": statistics.pstdev(rewards),
-        "perfect_rate": statistics.fmean(reward >= 1.0 for reward in rewards),
-        "pass_at_k": {
-            str(k): statistics.fmean(pass_at_k(rollouts_per_example, c, k) for c in correct) for k in ks
-        },
-        "avg_completion_tokens": statistics.fmean(r["num_completion_tokens"] for r in records),
-        "num_examples": len(by_example),
-        "num_rollouts": len(records),
-        "num_errors": sum(bool(r["error"]) for r in records),
-        "errors": causes,
-    }
-
-
-async def run_all(vf_env, tasks, ctx, cfg: Config, progress, bar, results) -> list[dict]:
-    """Every rollout of every task, at most cfg.max_concurrent in flight, advancing the progress bar.
-
-    Each finished group's records go to `results` (an open file) at once, so an interrupted eval
-    keeps what it has done; returns every record."""
-    from lib.envs import episode_reward, run_group, serving
-
-    semaphore = asyncio.Semaphore(cfg.max_concurrent)
-    rewards, records = [], []
-
-    def advance(episode):
-        rewards.append(episode_reward(episode))
-        progress.update(bar, advance=1, reward=f"avg reward {statistics.fmean(rewards):.3f}")
-
-    async def group(example: int, task):
-        episodes = await run_group(vf_env, task, ctx, cfg.rollouts_per_example, semaphore, advance)
-        lines = [record(example, rollout, episode) for rollout, episode in enumerate(episodes)]
-        results.write("".join(json.dumps(line) + "\n" for line in lines))
-        results.flush()
-        records.extend(lines)
-
-    async with serving(vf_env):
-        await asyncio.gather(*(group(example, task) for example, task in enumerate(tasks)))
-    return records
-
-
 def main(cfg: Config) -> dict:
     # ---------------------------------------------------------------- config
     from rich.console import Console
@@ -171,8 +89,11 @@ def main(cfg: Config) -> dict:
     from rich.text import Text
 
     from lib.client import running_server
-    from lib.envs import EnvConfig, load_env, load_tasks, model_context
+    from lib.config import to_dict
+    from lib.envs import EnvConfig, episode_reward, load_env, load_tasks, model_context
+    from lib.log import wandb_eval
     from lib.model import check_model_name
+    from lib.provenance import write_provenance
 
     name = cfg.name or f"{cfg.env}-{Path(cfg.model.name).name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = cfg.output_dir / name
@@ -198,17 +119,19 @@ def main(cfg: Config) -> dict:
 
     # ---------------------------------------------------------------- server
     with contextlib.ExitStack() as stack:
-        base_url = cfg.base_url
+        base_url, command = cfg.base_url, None  # an attached server's command line is not known here
         if base_url is None:
             console.print(f"starting the builtin server for {cfg.model.name} (log: {run_dir / 'server.log'})")
             serving = running_server(
                 cfg.model.name, engine=cfg.engine, api_key=api_key, log_path=run_dir / "server.log"
             )
             try:
-                base_url = stack.enter_context(serving).url
+                server = stack.enter_context(serving)
+                base_url, command = server.url, server.process.args
             except RuntimeError as error:
                 fail(str(error))
         ctx = model_context(base_url, cfg.model.name, cfg.sampling, api_key)
+        write_provenance(run_dir, [{"url": base_url, "command": command}], api_key)
 
         # ------------------------------------------------------------ rollouts
         total = len(tasks) * cfg.rollouts_per_example
@@ -218,8 +141,16 @@ def main(cfg: Config) -> dict:
         results = run_dir / "results.jsonl"
         with Progress(*columns, console=console, transient=False) as progress, open(results, "w") as out:
             bar = progress.add_task("eval", total=total, reward="")
+            rewards = []
+
+            def advance(episode):
+                rewards.append(episode_reward(episode))
+                progress.update(bar, advance=1, reward=f"avg reward {statistics.fmean(rewards):.3f}")
+
             try:
-                records = asyncio.run(run_all(vf_env, tasks, ctx, cfg, progress, bar, out))
+                records = asyncio.run(
+                    run_all(vf_env, tasks, ctx, cfg.rollouts_per_example, cfg.max_concurrent, advance, out)
+                )
             except KeyboardInterrupt:
                 done = len(results.read_text().splitlines())
                 console.print(f"{done} of {total} rollouts (the groups that finished) are in {results}")
@@ -227,11 +158,11 @@ def main(cfg: Config) -> dict:
         seconds = time.perf_counter() - start
 
     # ---------------------------------------------------------------- results
-    records.sort(key=lambda line: (line["example"], line["rollout"]))  # written as groups finished
     results.write_text("".join(json.dumps(line) + "\n" for line in records))
     summary = {"env": cfg.env, "model": cfg.model.name, **summarize(records, cfg.rollouts_per_example)}
     summary["seconds"] = seconds
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    wandb_eval(cfg.wandb, run_dir, to_dict(cfg), summary, records)
 
     # ---------------------------------------------------------------- summary
     for line in records[: cfg.num_samples_shown]:

@@ -2,10 +2,15 @@
 
 Starts (or attaches to) inference servers, keeps groups of rollouts in flight, computes
 group-relative advantages, trains with an importance-sampled policy loss, pushes new weights to every
-server each step, logs to tensorboard and checkpoints for exact resume. The loss variants and their
-papers are described in lib/loss.py (options: --loss.*). Sampling takes temperature only: top_p and
-top_k are refused, since the trainer cannot reproduce the server's truncation exactly and the importance
-ratio would be biased (measured on-policy: 0.90 at top_p 0.9 instead of 1).
+server each step, logs to tensorboard (and wandb with --wandb.project) and checkpoints for exact resume.
+The loss variants and their papers are described in lib/loss.py (options: --loss.*). Sampling takes
+temperature only: top_p and top_k are refused, since the trainer cannot reproduce the server's
+truncation exactly and the importance ratio would be biased (measured on-policy: 0.90 at top_p 0.9).
+
+--eval.every N holds out the taskset's last eval.num_examples tasks and evaluates them as eval.py does
+(sampled, pass@k, greedy) at the start, every N steps and at the end. The loop waits for each eval, so
+it scores exactly step N's weights (the next publish comes after it) while the producer keeps sampling
+beside it; its cost is logged as eval/seconds. Runs write provenance.json and reward_curve.png too.
 
 Usage:
     python scripts/rl.py @ configs/tiny/rl.toml                                     # CPU
@@ -22,6 +27,8 @@ from typing import Literal
 from lib.client import check_base_url
 from lib.config import StopAfterStep, parse, run_main
 from lib.envs import EnvConfig
+from lib.evaluation import EvalConfig
+from lib.log import WandbConfig
 from lib.loss import LossConfig
 from lib.model import LoraConfig, ModelConfig
 from lib.optim import OptimConfig
@@ -74,6 +81,10 @@ class Config:
     """LoRA (rank 0 = full); servers get merged weights."""
     inference: InferenceConfig = dataclasses.field(default_factory=InferenceConfig)
     """Inference servers."""
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    """Evaluation on held-out tasks during the run (off unless eval.every > 0)."""
+    wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
+    """Weights & Biases logging beside tensorboard (off unless wandb.project is set)."""
     steps: int = 20
     """Optimizer steps."""
     examples_per_step: int = 8
@@ -129,7 +140,6 @@ class Config:
 
 def main(cfg: Config) -> dict:
     """Trains and returns {"run_dir", "weights" (the last weights/step_N), "history" (metrics per step)}."""
-    import json
     import time
 
     import torch
@@ -137,11 +147,16 @@ def main(cfg: Config) -> dict:
     from lib import client, dist, envs, sync
     from lib.buffer import pack
     from lib.checkpoint import drop_newer, load_checkpoint, open_run, save_checkpoint, save_weights
+    from lib.config import to_dict
+    from lib.evaluation import Evaluator, split_held_out
+    from lib.tasks import TaskStream
     from lib.log import RunLog
     from lib.loss import entropy, policy_loss, token_logp, token_share
     from lib.model import check_model_name, load_tokenizer, load_trainable, resolve_device
     from lib.optim import build_optimizer
-    from lib.rollouts import Producer
+    from lib.plot import eval_points, plot_curve
+    from lib.provenance import write_provenance
+    from lib.rollouts import Producer, write_records
 
     # ------------------------------------------------------------ config and run directory
     rank, _, world_size = dist.world()
@@ -201,7 +216,7 @@ def main(cfg: Config) -> dict:
         return time.perf_counter() - began, worst
 
     # ------------------------------------------------------------ inference and rollouts (rank 0)
-    producer, server, urls, names, api_key, stop, log = None, None, [], [], None, None, None
+    producer, server, urls, names, api_key, stop, log, evaluator = None, None, [], [], None, None, None, None
     try:
         if is_main:
             api_key = cfg.inference.api_key or os.environ.get("PLAINRL_API_KEY")
@@ -254,6 +269,12 @@ def main(cfg: Config) -> dict:
                 envs.model_context(url, name, cfg.sampling, api_key, True, cfg.model.name, renderer)
                 for url, name in zip(urls, names)
             ]
+            if cfg.eval.every:
+                if tasks.endless:
+                    raise ValueError("eval.every needs a finite taskset to hold examples out of.")
+                train, held_out = split_held_out(list(tasks), cfg.eval.num_examples)
+                tasks = TaskStream(train, cfg.env.id)
+                evaluator = Evaluator(cfg, held_out, urls[0], names[0], api_key, run_dir / "eval")
             say(f"env {cfg.env.id}: {tasks.describe()}; {len(urls)} server(s): {' '.join(urls)}")
             for url in urls:
                 longest = client.model_card(url, api_key).get("max_model_len") or 0
@@ -262,6 +283,8 @@ def main(cfg: Config) -> dict:
                         f"WARNING: {url} serves sequences of up to {longest} tokens, more than seq_len "
                         f"{cfg.seq_len}: longer episodes will be dropped (start it with --max-model-len {cfg.seq_len})"
                     )
+            commands = [server.process.args] if server else [None] * len(urls)  # attached: not known here
+            write_provenance(run_dir, [{"url": u, "command": c} for u, c in zip(urls, commands)], api_key)
         # Every server, started or attached, loads the run's starting weights from the run directory
         # and is checked against the trainer before any training: an attached one may hold another run's
         # weights (step 1 would be off-policy), and a server that cannot read the run directory, or runs
@@ -284,8 +307,18 @@ def main(cfg: Config) -> dict:
             producer.start()
 
         # -------------------------------------------------------- loop
-        log = RunLog(run_dir, cfg.steps, start, is_main, print_every=1)
+        log = RunLog(run_dir, cfg.steps, start, is_main, 1, cfg.wandb, to_dict(cfg))
         history, weights, flat_steps, num_errors = [], None, 0, 0
+
+        def plot() -> None:
+            steps, rewards = range(start + 1, start + 1 + len(history)), [m["reward/mean"] for m in history]
+            label, title = "reward (mean of the step's rollouts)", f"rl: {cfg.env.id}"
+            plot_curve(
+                run_dir / "reward_curve.png", list(steps), rewards, label, title, eval_points(evaluator)
+            )
+
+        if evaluator is not None:
+            log.evaluation(start, evaluator(start))
         stop = StopAfterStep()
         for step in range(start, cfg.steps):
             began = time.perf_counter()
@@ -341,9 +374,8 @@ def main(cfg: Config) -> dict:
                         sums[name] = sums.get(name, 0.0) + value.item()
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm or float("inf"))
                 grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-                sums["grad_norm"] = (
-                    grad_norm.item() / world_size
-                )  # every rank has the full norm; summed below
+                # every rank has the full norm; summed below
+                sums["grad_norm"] = grad_norm.item() / world_size
             lr = scheduler.get_last_lr()[0]
             optimizer.step()  # parameters without a gradient (a step with no signal) are left as they are
             scheduler.step()
@@ -357,6 +389,9 @@ def main(cfg: Config) -> dict:
             weights = run_dir / "weights" / f"step_{done}"
             if is_main:
                 producer.set_version(done)
+            # The loop waits for the eval: the servers hold step done's weights until the next publish.
+            if evaluator is not None and (done % cfg.eval.every == 0 or done == cfg.steps):
+                log.evaluation(done, evaluator(done))
 
             # -------------------------------------------------------- log
             if is_main:
@@ -399,28 +434,15 @@ def main(cfg: Config) -> dict:
                 if done % cfg.sample_every == 0 or done == cfg.steps:
                     sample = max(batch.groups[0], key=lambda r: r.reward)
                     log.text(done, "samples", f"reward {sample.reward:.3f}\n\n```\n{sample.completion}\n```")
-                records = run_dir / "rollouts" / f"step_{done}.jsonl"
-                records.parent.mkdir(parents=True, exist_ok=True)
-                with records.open("w") as out:
-                    for group in batch.groups:
-                        for r in group:
-                            out.write(
-                                json.dumps(
-                                    {
-                                        "reward": r.reward,
-                                        "advantage": r.advantage,
-                                        "policy_version": r.policy_version,
-                                        "completion": r.completion,
-                                    }
-                                )
-                            )
-                            out.write("\n")
+                write_records(run_dir / "rollouts" / f"step_{done}.jsonl", batch.groups)
 
             # -------------------------------------------------------- checkpoint
             stopping = dist.all_sum(stop.requested, device) > 0  # a Ctrl-C on any rank stops them all here
             if done % cfg.checkpoint_every == 0 or done == cfg.steps or stopping:
                 progress = {"world_size": world_size, "task_index": producer.task_index if is_main else 0}
                 save_checkpoint(run_dir, done, model, optimizer, scheduler, progress, cfg.keep_checkpoints)
+                if is_main:
+                    plot()
             if stopping and done < cfg.steps:
                 log.print(f"stopped after step {done}: checkpoints/step_{done} saved")
                 raise KeyboardInterrupt  # run_main ends the run with the resume hint

@@ -12,7 +12,9 @@ transformers masks attention across samples from those restarts. Master weights 
 in float32; on GPU the forward runs under bfloat16 autocast (FSDP2 gathers bf16 parameters). LoRA
 adapters are merged into weights/step_N, so the saved model is a plain Hugging Face model.
 
-Writes under output_dir: config.toml, tb/ (loss, lr, grad norm, tokens/s), weights/step_N (servable by
+Writes under output_dir: config.toml, provenance.json (git revision, package versions), tb/ (loss, lr,
+grad norm, tokens/s; wandb too with --wandb.project), loss_curve.png (at each checkpoint and at the
+end), weights/step_N (servable by
 serve.py and vLLM) and checkpoints/step_N (trainable weights, optimizer, scheduler, data position, RNG;
 `--resume` continues bit for bit). Both are written to a temporary name and renamed into place.
 
@@ -29,6 +31,7 @@ from pathlib import Path
 
 from lib.config import StopAfterStep, parse, run_main
 from lib.envs import EnvConfig
+from lib.log import WandbConfig
 from lib.model import LoraConfig, ModelConfig
 from lib.optim import OptimConfig
 
@@ -43,6 +46,8 @@ class Config:
     """AdamW and the learning-rate schedule."""
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     """LoRA adapters (rank 0 = full fine-tuning); merged into the saved weights."""
+    wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
+    """Weights & Biases logging beside tensorboard (off unless wandb.project is set)."""
     steps: int = 100
     """Optimizer steps."""
     batch_size: int = 32
@@ -88,6 +93,7 @@ def main(cfg: Config) -> dict:
 
     from lib import dist
     from lib.checkpoint import load_checkpoint, open_run, save_checkpoint, save_weights
+    from lib.config import to_dict
     from lib.data import (
         IGNORE,
         batch_indices,
@@ -98,6 +104,8 @@ def main(cfg: Config) -> dict:
     from lib.log import RunLog
     from lib.model import check_model_name, load_tokenizer, load_trainable, resolve_device
     from lib.optim import build_optimizer
+    from lib.plot import plot_curve
+    from lib.provenance import write_provenance
 
     # ------------------------------------------------------------ config and run directory
     rank, _, world_size = dist.world()
@@ -111,6 +119,8 @@ def main(cfg: Config) -> dict:
     check_model_name(cfg.model.name)
     run_dir = cfg.output_dir
     resume_from = open_run(cfg, is_main, say)
+    if is_main:
+        write_provenance(run_dir, servers=[])
 
     # ------------------------------------------------------------ data (before the model: bad data fails fast)
     tokenizer = load_tokenizer(cfg.model.name)
@@ -150,7 +160,7 @@ def main(cfg: Config) -> dict:
         say(f"no checkpoint in {run_dir / 'checkpoints'}: starting at step 0")
 
     # ------------------------------------------------------------ loop
-    log = RunLog(run_dir, cfg.steps, start, is_main, cfg.log_every)
+    log = RunLog(run_dir, cfg.steps, start, is_main, cfg.log_every, cfg.wandb, to_dict(cfg))
     history, weights = [], None
     stop = StopAfterStep()
     try:
@@ -207,6 +217,11 @@ def main(cfg: Config) -> dict:
                 progress = {"samples_seen": done * cfg.batch_size, "world_size": world_size}
                 save_checkpoint(run_dir, done, model, optimizer, scheduler, progress, cfg.keep_checkpoints)
                 log.print(f"saved {weights} and checkpoints/step_{done}")
+                if is_main:
+                    steps, losses = range(start + 1, done + 1), [m["train/loss"] for m in history]
+                    plot_curve(
+                        run_dir / "loss_curve.png", list(steps), losses, "loss (train)", f"sft: {cfg.data.id}"
+                    )
             if stopping and done < cfg.steps:
                 raise KeyboardInterrupt  # run_main ends the run with the resume hint
     finally:

@@ -1,5 +1,6 @@
 """rl.py end to end on the tiny model: on-policy ratio, weight sync, staleness, kill -9 and resume."""
 
+import json
 import os
 import shutil
 import signal
@@ -11,7 +12,7 @@ import time
 import httpx
 import pytest
 import torch
-from conftest import ROOT, load_script
+from conftest import ROOT, load_script, tensorboard_scalars, wandb_history
 
 from lib import client
 from lib.config import parse
@@ -166,6 +167,42 @@ def test_on_policy_ratio_is_one_and_the_server_gets_each_step_weights(tiny_dir, 
         logp = model(ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
     expected = logp[len(prompt) - 1 :].tolist()
     assert max(abs(a - b) for a, b in zip(choice["logprobs"]["token_logprobs"], expected)) < 1e-4
+
+
+def test_eval_during_rl_scores_held_out_tasks_and_every_record_reaches_wandb(
+    tiny_dir, server, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = tmp_path / "run"
+    evaluation = ("--eval.every", "2", "--eval.num-examples", "4", "--eval.rollouts-per-example", "2")
+    wandb = ("--wandb.project", "p", "--wandb.name", "n", "--wandb.offline")
+    rl.main(rl_config(tiny_dir, out, server.url, "--steps", "3", *evaluation, *wandb))
+
+    # At the start, every 2 steps and at the end; sampled with pass@2, and greedy.
+    scalars = tensorboard_scalars(out)
+    for tag in ("eval/reward", "eval/reward_greedy", "eval/pass@2", "eval/seconds"):
+        assert scalars[tag].keys() == {0, 2, 3}, tag
+    assert scalars["reward/mean"].keys() == {1, 2, 3}
+    # wandb got every scalar of every step, with tensorboard's values (which are float32).
+    logged = wandb_history(out)
+    assert set(logged) == set(scalars)
+    for tag, steps in scalars.items():
+        assert logged[tag] == pytest.approx(steps, rel=1e-6), tag
+
+    # Held out by task id: the last 4 of letter_taskset's 16, never among the trained rollouts.
+    trained = [json.loads(line) for path in (out / "rollouts").glob("step_*.jsonl") for line in path.open()]
+    assert {r["task_id"] for r in trained} <= {f"letter-{i}" for i in range(12)}
+    assert all(r["prompt"].startswith("[user] Say aaa") and "completion" in r for r in trained)
+    for step in (0, 2, 3):
+        for kind, count in (("sampled", 8), ("greedy", 4)):
+            records = [json.loads(line) for line in (out / f"eval/step_{step}/{kind}.jsonl").open()]
+            assert len(records) == count
+            assert {r["task_id"] for r in records} == {f"letter-{i}" for i in range(12, 16)}
+
+    assert (out / "reward_curve.png").read_bytes()[:4] == b"\x89PNG"
+    provenance = json.loads((out / "provenance.json").read_text())
+    assert provenance["servers"] == [{"url": server.url, "command": None, "engine": "plainrl"}]
+    assert {"torch", "transformers", "verifiers", "vllm"} <= set(provenance["packages"])
 
 
 def test_activation_checkpointing_keeps_the_step_on_policy(tiny_dir, server, tmp_path):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, load_script
+from conftest import ROOT, load_script, tensorboard_scalars, wandb_history
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -84,6 +84,41 @@ def test_outputs_config_weights_checkpoints_and_tensorboard(tiny_dir, data_file,
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
     with pytest.raises(ValueError, match="--resume"):  # a second run would mix with the first
         run(*flags(tiny_dir, data_file, out))
+
+
+def test_wandb_offline_logs_every_step_as_tensorboard_does_plus_curve_and_provenance(
+    tiny_dir, data_file, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("WANDB_MODE", "offline")  # never the network, whatever the user's settings
+    out = tmp_path / "run"
+    wandb_flags = ("--wandb.project", "p", "--wandb.name", "n", "--wandb.offline", "--checkpoint-every", "2")
+    run(*flags(tiny_dir, data_file, out, *wandb_flags))
+    logged, scalars = wandb_history(out), tensorboard_scalars(out)
+    assert set(scalars) == set(logged) and scalars["train/loss"].keys() == {1, 2, 3, 4}
+    for tag, steps in scalars.items():
+        assert logged[tag] == pytest.approx(steps, rel=1e-6), tag  # tensorboard keeps float32
+    assert (out / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"
+    provenance = json.loads((out / "provenance.json").read_text())
+    assert provenance["packages"]["torch"] == torch.__version__ and provenance["packages"]["transformers"]
+    assert len(provenance["plainrl_revision"].removesuffix("-dirty")) == 40
+
+
+def test_asking_for_wandb_without_it_installed_fails_at_parse_time_in_one_sentence(tmp_path):
+    # sys.modules["wandb"] = None is what an environment without wandb looks like to an import.
+    hide_wandb = "import runpy, sys; sys.modules['wandb'] = None; sys.argv.pop(0); runpy.run_path(sys.argv[0], run_name='__main__')"
+    for script in ("sft", "rl", "eval"):
+        args = [str(ROOT / "scripts" / f"{script}.py"), "--wandb.project", "p", "--wandb.name", "n"]
+        result = subprocess.run(
+            [sys.executable, "-c", hide_wandb, *args],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=60,
+        )
+        assert result.returncode == 2 and not (tmp_path / "outputs").exists()  # before any work
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: wandb.project needs the wandb package"), lines
+        assert "pip install wandb" in lines[0]
 
 
 def test_resume_after_a_kill_gives_the_same_losses_and_weights(tiny_dir, data_file, tmp_path, monkeypatch):

