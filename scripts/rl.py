@@ -149,7 +149,6 @@ def main(cfg: Config) -> dict:
     from lib.checkpoint import drop_newer, load_checkpoint, open_run, save_checkpoint, save_weights
     from lib.config import to_dict
     from lib.evaluation import Evaluator, split_held_out
-    from lib.tasks import TaskStream
     from lib.log import RunLog
     from lib.loss import entropy, policy_loss, token_logp, token_share
     from lib.model import check_model_name, load_tokenizer, load_trainable, resolve_device
@@ -157,6 +156,7 @@ def main(cfg: Config) -> dict:
     from lib.plot import eval_points, plot_curve
     from lib.provenance import write_provenance
     from lib.rollouts import Producer, write_records
+    from lib.tasks import TaskStream
 
     # ------------------------------------------------------------ config and run directory
     rank, _, world_size = dist.world()
