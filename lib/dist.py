@@ -48,6 +48,18 @@ def close() -> None:
         dist.destroy_process_group()
 
 
+def peer_lost(error: BaseException) -> str | None:
+    """The one line to end with when `error` is a collective broken by a peer that died (its sockets
+    closed: kill -9, a crash), else None."""
+    closed = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+    if world()[2] == 1 or not isinstance(error, RuntimeError) or not any(m in str(error) for m in closed):
+        return None
+    return (
+        f"error: rank {world()[0]} lost a peer in a collective ({str(error).splitlines()[0][:200]}): "
+        "`--resume` on every node continues from the last checkpoint."
+    )
+
+
 def _start_heartbeat(peer_timeout: float) -> None:
     """Rank 0 watches every other rank and they watch rank 0, through counters in torchrun's store.
 
