@@ -160,7 +160,8 @@ def test_two_node_make_sft_matches_one_process_and_rank_0_writes(tiny_dir, tmp_p
     out = tmp_path / "two"
     stdout = run_nodes("sft", out, sft_args(tiny_dir), node_env(tmp_path))
     assert "2 x cpu" in stdout
-    one = sft.main(parse(sft.Config, [*sft_args(tiny_dir), "--output-dir", str(tmp_path / "one")]))
+    preset = ["@", str(ROOT / "configs/tiny/sft.toml")]  # what `make sft ENV=tiny` passes first
+    one = sft.main(parse(sft.Config, [*preset, *sft_args(tiny_dir), "--output-dir", str(tmp_path / "one")]))
     expected = {f"{kind}/step_{n}" for kind in ("weights", "checkpoints") for n in (1, 2)}
     assert_written_once_by_rank_0(tmp_path, out, expected)
     a = load_file(one["weights"] / "model.safetensors")
@@ -183,6 +184,9 @@ def servers(tiny_dir, tmp_path_factory):
         client.running_server(str(tiny_dir), engine="torch", weights_root=root, log_path=root / "b.log") as b,
     ):
         yield a, b
+
+
+PRESET_RL = ["@", str(ROOT / "configs/tiny/rl.toml")]  # what `make rl ENV=tiny` passes first
 
 
 def rl_args(tiny_dir, *extra) -> list[str]:
@@ -213,7 +217,10 @@ def test_two_node_make_rl_matches_one_process_and_rank_0_writes(tiny_dir, server
     assert_written_once_by_rank_0(tmp_path, out, expected)
     monkeypatch.setattr(lib.rollouts, "Producer", ReplayProducer)
     one = rl.main(
-        parse(rl.Config, [*rl_args(tiny_dir), "--output-dir", str(tmp_path / "one"), "--inference.urls", url])
+        parse(
+            rl.Config,
+            [*PRESET_RL, *rl_args(tiny_dir), "--output-dir", str(tmp_path / "one"), "--inference.urls", url],
+        )
     )
     a = load_file(one["weights"] / "model.safetensors")
     b = load_file(out / "weights" / "step_2" / "model.safetensors")
@@ -238,7 +245,7 @@ def test_rl_spreads_rollouts_over_two_servers_and_reloads_both(tiny_dir, servers
 
     monkeypatch.setattr(Producer, "_group", counted_group)
     urls = [server.url for server in servers]
-    flags = [*rl_args(tiny_dir), "--output-dir", str(tmp_path / "run"), "--inference.urls", *urls]
+    flags = [*PRESET_RL, *rl_args(tiny_dir), "--output-dir", str(tmp_path / "run"), "--inference.urls", *urls]
     result = rl.main(parse(rl.Config, flags))
     assert used.count(0) >= 4 and used.count(1) >= 4, used  # 8 groups over 2 steps, round robin
     prompt = list(range(5, 15))
