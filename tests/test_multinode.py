@@ -312,3 +312,15 @@ def test_node_1_lost_ends_node_0_then_resume_on_both_continues(tiny_dir, servers
     assert f"(step {last})" in (tmp_path / "node0.out").read_text()
     assert checkpoints(out)[-1] == last + 2
     assert [p.name for p in out.rglob(".tmp-*")] == []
+
+
+def test_a_collective_broken_by_a_dead_peer_is_one_line_and_other_errors_stay(monkeypatch):
+    from lib.dist import peer_lost
+
+    broken = RuntimeError("[pair.cc:537] Read error [127.0.0.1]:39564: Connection reset by peer. GLHF!")
+    assert peer_lost(broken) is None  # one process: no peer to lose
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    line = peer_lost(broken)
+    assert line.startswith("error: rank 0 lost a peer in a collective") and "--resume" in line
+    assert peer_lost(RuntimeError("CUDA out of memory")) is None  # a bug or OOM keeps its traceback
