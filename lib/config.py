@@ -34,8 +34,9 @@ def fail(message: str) -> typing.NoReturn:
 
 def run_main(main, config, resume_dir: Path | None = None) -> None:
     """Runs a script's main(config). Bad input found after parsing (files, servers, data) ends as one
-    sentence, exit 2; Ctrl-C as one line (saying how to resume when the run can), exit 130. main's own
-    `finally` has stopped its servers and threads by then."""
+    sentence, exit 2; Ctrl-C as one line (saying how to resume when the run can), exit 130; a peer
+    process lost in a collective as one line, exit 1. main's own `finally` has stopped its servers and
+    threads by then."""
     try:
         main(config)
     except ValueError as error:
@@ -45,6 +46,14 @@ def run_main(main, config, resume_dir: Path | None = None) -> None:
         hint = f": `--resume` continues from the last checkpoint in {resume_dir}" if resume_dir else ""
         print(f"\ninterrupted{hint}", file=sys.stderr)
         raise SystemExit(130) from None
+    except RuntimeError as error:
+        from lib.dist import peer_lost
+
+        message = peer_lost(error)
+        if message is None:
+            raise
+        print(message, file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 class StopAfterStep:

@@ -1,6 +1,12 @@
 """Distributed training: rank and world size from torchrun's environment, the process group, FSDP2 and full state."""
 
 import os
+import sys
+import threading
+import time
+
+# Set by init() when several processes train: the thread that beats for this rank and watches its peers.
+_watch: dict = {}
 
 
 def world() -> tuple[int, int, int]:
@@ -9,9 +15,10 @@ def world() -> tuple[int, int, int]:
     return int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0)), int(env.get("WORLD_SIZE", 1))
 
 
-def init(device: str) -> str:
+def init(device: str, peer_timeout: float = 120.0) -> str:
     """Joins the process group when torchrun started several processes (nccl on CUDA, gloo on CPU)
-    and returns this process's device."""
+    and returns this process's device. From then on every rank beats a heartbeat, and a rank whose
+    peer sends none for `peer_timeout` seconds (killed, frozen, cut off) ends with one line."""
     import datetime
 
     import torch
@@ -26,14 +33,85 @@ def init(device: str) -> str:
         # step's rollouts; the 10-minute default would kill them on a slow start or a long episode.
         timeout = datetime.timedelta(hours=2)
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=timeout)
+        _start_heartbeat(peer_timeout)
     return device
 
 
 def close() -> None:
     import torch.distributed as dist
 
+    if _watch:  # peers stop watching this rank: it may leave before they do
+        _watch["stop"].set()
+        _watch["store"].set(f"plainrl/closed/{world()[0]}", "1")
+        _watch.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def peer_lost(error: BaseException) -> str | None:
+    """The one line to end with when `error` is a collective broken by a peer that died (its sockets
+    closed: kill -9, a crash), else None."""
+    closed = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+    if world()[2] == 1 or not isinstance(error, RuntimeError) or not any(m in str(error) for m in closed):
+        return None
+    return (
+        f"error: rank {world()[0]} lost a peer in a collective ({str(error).splitlines()[0][:200]}): "
+        "`--resume` on every node continues from the last checkpoint."
+    )
+
+
+def _start_heartbeat(peer_timeout: float) -> None:
+    """Rank 0 watches every other rank and they watch rank 0, through counters in torchrun's store.
+
+    A rank legitimately waits in a collective for hours while rank 0 starts vLLM or collects a step's
+    rollouts, so the collective timeout cannot tell "busy" from "gone". The beat comes from a thread
+    that keeps running while its rank waits or computes (collectives release the GIL); it stops only
+    when the whole process stops: kill -9, SIGSTOP, a lost node or network. A peer killed outright
+    also breaks the collective's sockets, which usually ends the run sooner.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    rank, _, world_size = world()
+    # A client of its own (the default group's is not meant for a second thread); counters, not clock
+    # readings, so nodes need no synchronised clocks.
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=max(peer_timeout, 10)),
+    )
+    peers = range(1, world_size) if rank == 0 else [0]
+    stop = threading.Event()
+    _watch.update(store=store, stop=stop)
+
+    def beat_and_watch() -> None:
+        seen = {peer: (-1, time.monotonic()) for peer in peers}
+        while not stop.wait(min(2.0, peer_timeout / 5)):
+            try:
+                store.add(f"plainrl/beat/{rank}", 1)
+                for peer in peers:
+                    count = store.add(f"plainrl/beat/{peer}", 0)
+                    if count != seen[peer][0]:
+                        seen[peer] = (count, time.monotonic())
+                    elif store.check([f"plainrl/closed/{peer}"]):
+                        seen[peer] = (count, time.monotonic())  # finished: it owes no more beats
+            except Exception:  # the store lives with node 0's torchrun: gone with it, so is rank 0
+                pass
+            for peer, (_, last) in seen.items():
+                silent = time.monotonic() - last
+                if silent > peer_timeout and not stop.is_set():
+                    print(
+                        f"error: rank {peer} sent no heartbeat for {silent:.0f} s (killed, frozen or "
+                        f"unreachable; peer_timeout {peer_timeout:g} s): stopping rank {rank}; "
+                        "`--resume` on every node continues from the last checkpoint.",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    os._exit(1)  # the main thread may be stuck in a collective that never returns
+
+    threading.Thread(target=beat_and_watch, name="heartbeat", daemon=True).start()
 
 
 def barrier() -> None:

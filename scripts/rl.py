@@ -118,6 +118,9 @@ class Config:
     """Continue from the newest complete checkpoint in output_dir."""
     seed: int = 0
     """Seed of data order and initialisation-time randomness."""
+    peer_timeout: float = 120.0
+    """Several processes: a rank ends when a peer sends no heartbeat for this many seconds (a node
+    killed, frozen or cut off); waiting on a busy rank 0 (rollouts, starting servers) never counts."""
 
     def __post_init__(self):
         if min(self.steps, self.examples_per_step, self.rollouts_per_example, self.micro_batch_size) < 1:
@@ -136,6 +139,8 @@ class Config:
             )
         if self.keep_weights < 2 or self.keep_checkpoints < 1 or self.checkpoint_every < 1:
             raise ValueError("keep_weights must be >= 2, keep_checkpoints and checkpoint_every >= 1.")
+        if self.peer_timeout <= 0:
+            raise ValueError("peer_timeout must be a positive number of seconds.")
 
 
 def main(cfg: Config) -> dict:
@@ -167,7 +172,7 @@ def main(cfg: Config) -> dict:
     resume_from = open_run(cfg, is_main, say)
 
     # ------------------------------------------------------------ dist and model
-    device = dist.init(resolve_device(cfg.model))
+    device = dist.init(resolve_device(cfg.model), cfg.peer_timeout)
     torch.manual_seed(cfg.seed)
     model, save_dtype, autocast = load_trainable(
         cfg.model, cfg.lora, device, world_size, cfg.packing, cfg.activation_checkpointing

@@ -72,6 +72,9 @@ class Config:
     """Print a console line every N steps (tensorboard gets every step)."""
     seed: int = 0
     """Seed of initialisation-time randomness (LoRA) and of the data order."""
+    peer_timeout: float = 120.0
+    """Several processes: a rank ends when a peer sends no heartbeat for this many seconds (a node
+    killed, frozen or cut off); waiting on a busy rank 0 (rollouts, starting servers) never counts."""
 
     def __post_init__(self):
         if self.steps < 1 or self.batch_size < 1 or self.micro_batch_size < 1 or self.seq_len < 2:
@@ -82,6 +85,8 @@ class Config:
             )
         if self.checkpoint_every < 1 or self.keep_checkpoints < 1 or self.log_every < 1:
             raise ValueError("checkpoint_every, keep_checkpoints and log_every must be at least 1.")
+        if self.peer_timeout <= 0:
+            raise ValueError("peer_timeout must be a positive number of seconds.")
 
 
 def main(cfg: Config) -> dict:
@@ -136,7 +141,7 @@ def main(cfg: Config) -> dict:
     )
 
     # ------------------------------------------------------------ dist and model
-    device = dist.init(resolve_device(cfg.model))
+    device = dist.init(resolve_device(cfg.model), cfg.peer_timeout)
     torch.manual_seed(cfg.seed)  # LoRA's initialisation is random
     # float32 master weights (bf16 comes from autocast); saved in the dtype the model runs in (bf16 on CUDA).
     model, save_dtype, autocast = load_trainable(
