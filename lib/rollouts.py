@@ -11,6 +11,7 @@ from pathlib import Path
 from lib import envs
 from lib.buffer import Buffer, Rollout, StepBatch
 from lib.client import HEALTH_EVERY_S
+from lib.tasks import task_id
 
 # A run stops when no group has succeeded for this long (and many have failed): nothing works.
 FAILURE_PATIENCE_S = 60.0
@@ -185,7 +186,7 @@ class Producer:
                     self.env_name,
                     completion=s.completion,
                     episode=num_episodes,
-                    task_id=str(task.data.id),
+                    task_id=task_id(task.data),
                     prompt=s.prompt,
                 )
                 for s in samples

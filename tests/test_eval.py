@@ -72,7 +72,7 @@ def test_eval_counts_environment_errors_and_finishes(eval_script, tmp_path, caps
     assert any("toy reward exploded" in line for line in lines)
 
 
-def test_an_interrupted_eval_keeps_the_groups_that_finished(eval_script, tmp_path, monkeypatch):
+def test_an_interrupted_eval_keeps_the_groups_that_finished(request, eval_script, tmp_path, monkeypatch):
     import asyncio
     import signal
 
@@ -83,9 +83,10 @@ def test_an_interrupted_eval_keeps_the_groups_that_finished(eval_script, tmp_pat
     async def interrupted_after_three_groups(*args, **kwargs):
         started.append(1)
         if len(started) <= 3:
-            episodes = await run_group(*args, **kwargs)
-            finished.append(1)
-            return episodes
+            try:
+                return await run_group(*args, **kwargs)
+            finally:  # a group that fails must not leave the fourth waiting forever
+                finished.append(1)
         if len(started) == 4:  # the fourth group waits for the first three, then Ctrl-C
             while len(finished) < 3:
                 await asyncio.sleep(0.01)
@@ -93,6 +94,9 @@ def test_an_interrupted_eval_keeps_the_groups_that_finished(eval_script, tmp_pat
         await asyncio.Event().wait()  # the others never finish
 
     monkeypatch.setattr(lib.envs, "run_group", interrupted_after_three_groups)
+    # Ctrl-C raises KeyboardInterrupt here, whatever handler an earlier in-process test left installed.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
     with serve(
         oracle_app(sft_conversations(EnvConfig(id="reverse_text", args=SYNTHETIC, num_examples=6)))
     ) as url:

@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import time
+import types
 
 import pytest
 
@@ -39,7 +40,16 @@ def fake_env(monkeypatch):
     monkeypatch.setattr(lib.rollouts.envs, "training_samples", training_samples)
 
 
+class FakeTask(dict):
+    """A made-up task: its settings as a dict, and the `data.id` the producer records."""
+
+    @property
+    def data(self):
+        return types.SimpleNamespace(id=self["id"], idx=None)
+
+
 def producer(tasks, examples_per_step=1, max_async_level=1, max_concurrent=64, **kwargs) -> Producer:
+    tasks = [FakeTask(task) for task in tasks]
     return Producer(
         None, tasks, [None], 2, examples_per_step, max_async_level, max_concurrent, False, "fake", **kwargs
     )
