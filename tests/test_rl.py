@@ -126,9 +126,9 @@ def test_rollout_errors_are_logged_per_step_with_a_running_total(
     class FailingTwicePerStep(ReplayProducer):
         num_errors = 0
 
-        def take(self, step, report=print):
+        def take(self, step, report=print, check=None):
             self.num_errors += 2
-            return super().take(step, report)
+            return super().take(step, report, check)
 
     monkeypatch.setattr(lib.rollouts, "Producer", FailingTwicePerStep)
     result = rl.main(rl_config(tiny_dir, tmp_path / "run", server.url, "--steps", "3"))
