@@ -138,14 +138,18 @@ class RunLog:
             for line in lines:
                 self.progress.console.print(line, highlight=False, markup=False, soft_wrap=True)
 
-    def scalars(self, step: int, values: dict[str, float]) -> None:
-        """Logs `values` at `step` (1-based: the number of optimizer steps done) and advances the bar."""
-        if not self.enabled:
-            return
+    def _record(self, step: int, values: dict[str, float]) -> None:
+        """Every scalar to tensorboard, and to wandb when asked."""
         for name, value in values.items():
             self.writer.add_scalar(name, value, step)
         if self.wandb is not None:
             self.wandb.log(values, step=step)
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        """Logs `values` at `step` (1-based: the number of optimizer steps done) and advances the bar."""
+        if not self.enabled:
+            return
+        self._record(step, values)
         summary = "  ".join(f"{name.split('/')[-1]} {fmt(value)}" for name, value in values.items())
         self.progress.update(self.task, completed=step, metrics=summary)
         if step % self.print_every == 0:
@@ -155,10 +159,7 @@ class RunLog:
         """Logs an evaluation's eval/* scalars at `step` (0 = before training) with one console line."""
         if not self.enabled:
             return
-        for name, value in values.items():
-            self.writer.add_scalar(name, value, step)
-        if self.wandb is not None:
-            self.wandb.log(values, step=step)
+        self._record(step, values)
         self.print(
             f"eval at step {step}  "
             + "  ".join(f"{k.removeprefix('eval/')} {fmt(v)}" for k, v in values.items())
