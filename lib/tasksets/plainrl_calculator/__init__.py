@@ -71,18 +71,19 @@ def reference_conversation(data) -> list[dict]:
 
 
 def reference_tools() -> list[dict]:
-    """The tool list an episode offers (for SFT data: the model learns with the same system turn)."""
+    """The tool list an episode offers, as the episode renders it (for SFT data: the model learns with the
+    same system turn, character for character)."""
     return [
         {
             "type": "function",
             "function": {
                 "name": "calculate",
                 "description": 'Evaluate an integer arithmetic expression (+, -, *, parentheses), e.g. "12*(3+4)".',
-                "parameters": {
+                "parameters": {  # in the key order the MCP server lists them: the prompt is the same text
+                    "type": "object",
                     "properties": {"expression": {"title": "Expression", "type": "string"}},
                     "required": ["expression"],
                     "title": "calculateArguments",
-                    "type": "object",
                 },
             },
         }
