@@ -9,6 +9,9 @@ What each flag is for:
 - `--enable-scale-out`: mounts /inference/v1/generate (tokens in, tokens out), which the train client
   calls; without it vLLM 0.32 answers 403 there.
 - `--max-logprobs`: the same limit as the builtin engine's (vLLM's default is 20).
+- `--enable-auto-tool-choice --tool-call-parser hermes`: chat answers to requests that offer tools
+  carry the model's `<tool_call>` blocks as OpenAI `tool_calls` (the eval client needs them; the train
+  client parses completions itself), as the builtin engine's do.
 - CPU build: `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache; vLLM's own default is 4), from `cpu_kv_cache_gib`.
 - The API key goes in the environment (`VLLM_API_KEY`), which vLLM reads like `--api-key`, so it does
   not show in the process list. vLLM checks it on /v1 and /inference only: its dev routes are open,
@@ -42,6 +45,9 @@ class VllmConfig:
     """First data-parallel rank on this node (multi-node, headless nodes)."""
     headless: bool = False
     """Run engines only, no API server (every node but the head)."""
+    tool_call_parser: str | None = "hermes"
+    """How chat answers' tool calls are parsed (`<tool_call>` JSON: Qwen, Hermes and plainrl's tiny model);
+    None turns vLLM's tool parsing off."""
     cpu_kv_cache_gib: int | None = None
     """CPU build only: GiB of memory for the KV cache (None = vLLM's default, 4)."""
     extra_args: list[str] = dataclasses.field(default_factory=list)
@@ -99,6 +105,8 @@ def vllm_command(
         command.append("--headless")
     command += ["--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", "--enable-scale-out"]
     command += ["--max-logprobs", str(max_logprobs)]
+    if config.tool_call_parser and not config.headless:  # the API server parses chat answers
+        command += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
     return command + list(config.extra_args)
 
 

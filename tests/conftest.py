@@ -11,6 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # Why the vLLM tests could not run, when they could not (printed once at the end of the session).
+TOOL_EPISODES = 2  # how many calculator episodes tool_caller learned by heart
 VLLM_MISSING = "vLLM's CPU build is not installed (make setup-vllm installs it on x86-64 and aarch64 Linux)"
 
 
@@ -30,51 +31,47 @@ def tiny_dir(tmp_path_factory) -> Path:
     return write_tiny(tmp_path_factory.mktemp("models") / "tiny")
 
 
-@pytest.fixture(scope="session")
-def trained_tiny(tiny_dir) -> Path:
-    """The tiny model after 300 SFT steps on reverse_text (~2 minutes on 2 cores): greedy decoding of a
-    random model is degenerate (one token over and over), this one answers in the task's format.
-
-    Kept in outputs/test-cache/ under a hash of what makes it (the model's and the SFT stage's code and
-    preset), so later runs on the same checkout reuse it; a fresh clone trains it once."""
+def cached_sft(name: str, tiny_dir: Path, made_by: list[str], args: list[str], steps: int) -> Path:
+    """weights/step_<steps> of `sft.py args` run on the tiny model, kept in outputs/test-cache/ under a hash
+    of what makes it (the model's and the SFT stage's code, `made_by`, the arguments), so later runs on
+    the same checkout reuse it; a fresh clone trains it once."""
     import hashlib
 
     from lib.config import parse
 
-    made_by = [
-        "lib/tiny.py",
-        "lib/data.py",
-        "lib/model.py",
-        "lib/optim.py",
-        "scripts/sft.py",
-        "configs/tiny/sft.toml",
-    ]
-    digest = hashlib.sha256(b"".join((ROOT / name).read_bytes() for name in made_by)).hexdigest()[:16]
-    out = ROOT / "outputs" / "test-cache" / f"trained-tiny-{digest}"
-    weights = out / "weights" / "step_300"
+    made_by = ["lib/tiny.py", "lib/data.py", "lib/model.py", "lib/optim.py", "scripts/sft.py", *made_by]
+    content = b"".join((ROOT / name).read_bytes() for name in made_by) + " ".join(args).encode()
+    out = ROOT / "outputs" / "test-cache" / f"{name}-{hashlib.sha256(content).hexdigest()[:16]}"
+    weights = out / "weights" / f"step_{steps}"
     if not (weights / "config.json").is_file():
         shutil.rmtree(out, ignore_errors=True)
         sft = load_script("sft")
-        args = [
-            "@",
-            str(ROOT / "configs/tiny/sft.toml"),
-            "--model.name",
-            str(tiny_dir),
-            "--output-dir",
-            str(out),
-        ]
-        args += [
-            "--steps",
-            "300",
-            "--checkpoint-every",
-            "300",
-            "--log-every",
-            "100",
-            "--data.num-examples",
-            "2000",
-        ]
-        sft.main(parse(sft.Config, args))
+        common = ["--model.name", str(tiny_dir), "--output-dir", str(out), "--steps", str(steps)]
+        common += ["--checkpoint-every", str(steps), "--log-every", "100"]
+        sft.main(parse(sft.Config, [*args, *common]))
     return weights
+
+
+@pytest.fixture(scope="session")
+def trained_tiny(tiny_dir) -> Path:
+    """The tiny model after 300 SFT steps on reverse_text (~2 minutes on 2 cores): greedy decoding of a
+    random model is degenerate (one token over and over), this one answers in the task's format."""
+    preset = "configs/tiny/sft.toml"
+    return cached_sft(
+        "trained-tiny", tiny_dir, [preset], ["@", str(ROOT / preset), "--data.num-examples", "2000"], 300
+    )
+
+
+@pytest.fixture(scope="session")
+def tool_caller(tiny_dir) -> Path:
+    """The tiny model trained until it plays back TOOL_EPISODES plainrl_calculator reference episodes under
+    greedy decoding (the call to `calculate`, then the answer): a scripted policy that real engines run."""
+    preset = "configs/tiny_calculator/sft.toml"
+    args = ["@", str(ROOT / preset), "--data.num-examples", str(TOOL_EPISODES), "--batch-size", "4"]
+    args += ["--micro-batch-size", "4", "--optim.schedule", "constant", "--optim.lr", "3e-3"]
+    return cached_sft(
+        "tool-caller", tiny_dir, [preset, "lib/tasksets/plainrl_calculator/__init__.py"], args, 150
+    )
 
 
 @pytest.fixture(scope="session")

@@ -7,8 +7,9 @@ from lib.config import parse
 from lib.vllm import VllmConfig, vllm_command, vllm_environment
 
 MODEL = "Qwen/Qwen3-4B"
-COMMON_TAIL = ["--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", "--enable-scale-out"]
-COMMON_TAIL += ["--max-logprobs", "20"]
+ENGINE_TAIL = ["--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", "--enable-scale-out"]
+ENGINE_TAIL += ["--max-logprobs", "20"]
+COMMON_TAIL = [*ENGINE_TAIL, "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]  # an API server's
 
 
 def command(config: VllmConfig, host: str = "127.0.0.1", max_model_len: int | None = None) -> list[str]:
@@ -69,8 +70,12 @@ def test_multi_node_head_and_headless_node():
         "--tensor-parallel-size", "2", "--data-parallel-size", "8",
         "--data-parallel-size-local", "4", "--data-parallel-address", "10.0.0.1", "--data-parallel-rpc-port", "13345",
         "--data-parallel-start-rank", "4", "--headless",
-        *COMMON_TAIL, "--enforce-eager",
+        *ENGINE_TAIL, "--enforce-eager",
     ]  # fmt: skip
+
+
+def test_tool_parsing_can_be_turned_off():
+    assert command(VllmConfig(tool_call_parser=None))[-len(ENGINE_TAIL) :] == ENGINE_TAIL
 
 
 def test_environment_turns_on_dev_routes_and_carries_the_key_out_of_the_process_list():
