@@ -5,6 +5,7 @@ process per "node", gloo over loopback. tests/fixtures/hooks (on PYTHONPATH) cou
 each rank writes and, for rl.py, replays fixed batches so a one-process run can be compared.
 """
 
+import contextlib
 import json
 import os
 import shlex
@@ -259,6 +260,105 @@ def test_rl_spreads_rollouts_over_two_servers_and_reloads_both(tiny_dir, servers
             logp = model(ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
         served = torch.tensor(choice["logprobs"]["token_logprobs"])
         torch.testing.assert_close(served, logp[len(prompt) - 1 :], rtol=0, atol=1e-4)
+
+
+# ---------------------------------------------------------------- vLLM data parallel over two "nodes"
+
+
+def start_serve(name: str, out: Path, **variables) -> subprocess.Popen:
+    """`make serve ENGINE=vllm ...` in a process group of its own, output to out/name.log."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES")
+    }
+    env |= {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    command = ["make", "--no-print-directory", "-o", ".venv/.installed", "serve", "ENGINE=vllm"]
+    command += [f"{k}={v}" for k, v in variables.items()]
+    with open(out / f"{name}.log", "a") as log:
+        return subprocess.Popen(
+            command, cwd=ROOT, env=env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT
+        )
+
+
+def stop_serve(nodes: list[subprocess.Popen]) -> None:
+    """SIGTERM to each launch's process group (vLLM stops its engines), SIGKILL to what is left after 30 s."""
+    for node in nodes:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(node.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    for node in nodes:
+        with contextlib.suppress(ProcessLookupError):
+            while time.monotonic() < deadline:
+                os.killpg(node.pid, 0)
+                time.sleep(0.2)
+            os.killpg(node.pid, signal.SIGKILL)
+        node.wait(timeout=30)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_head_and_headless_node_both_serve_every_reload(vllm_installed, tiny_dir, tmp_path):
+    """The README's vLLM data-parallel recipe on one machine (vLLM's CPU build): `make serve DP=2 DP_LOCAL=1
+    DP_ADDRESS=127.0.0.1 DP_RPC_PORT=P` is the head (API server, engine 0), the same with `DP_START_RANK=1
+    HEADLESS=1` a second node (engine 1 only, which connects to tcp://127.0.0.1:P). rl.py attached to the
+    head runs 3 steps. vLLM sends /pause, reload_weights, the weight label, /reset_prefix_cache and /resume to
+    every engine, and runs a request with `X-data-parallel-rank: N` on engine N: both must answer with the
+    trainer's last weights."""
+    import httpx
+    from transformers import AutoModelForCausalLM
+
+    port, rpc_port = free_port(), free_port()
+    args = ["--model.dtype", "float32", "--max-model-len", "256", "--vllm.cpu-kv-cache-gib", "1"]
+    dp = {"MODEL": tiny_dir, "PORT": port, "DP": 2, "DP_LOCAL": 1, "DP_ADDRESS": "127.0.0.1"}
+    dp |= {"DP_RPC_PORT": rpc_port, "ARGS": shlex.join(args)}
+    nodes = [
+        start_serve("head", tmp_path, **dp),
+        start_serve("node1", tmp_path, **dp, DP_START_RANK=1, HEADLESS=1),
+    ]
+    url = f"http://127.0.0.1:{port}/v1"
+    prompt = list(range(5, 15))
+
+    def logs() -> str:
+        return "\n".join(
+            f"{name}: ...{(tmp_path / f'{name}.log').read_text()[-2000:]}" for name in ("head", "node1")
+        )
+
+    def generate(rank: int) -> httpx.Response:
+        """8 tokens sampled by engine `rank` (vLLM reads the header on every generate route)."""
+        params = {"max_tokens": 8, "temperature": 1.0, "logprobs": 0, "seed": 1, "ignore_eos": True}
+        body = {"model": client.served_model(url), "token_ids": prompt, "sampling_params": params}
+        generate_url = f"{client.root_url(url)}/inference/v1/generate"
+        return httpx.post(generate_url, json=body, headers={"X-data-parallel-rank": str(rank)}, timeout=60)
+
+    try:
+        deadline = time.monotonic() + 600  # the head answers once both engines are up: 2-4 minutes on 2 cores
+        while not client.is_healthy(url):
+            assert all(node.poll() is None for node in nodes), logs()
+            assert time.monotonic() < deadline, logs()
+            time.sleep(1)
+        flags = [*PRESET_RL, *rl_args(tiny_dir, "--steps", "3"), "--output-dir", str(tmp_path / "run")]
+        result = rl.main(parse(rl.Config, [*flags, "--inference.urls", url]))
+        assert len(result["history"]) == 3
+
+        trained = AutoModelForCausalLM.from_pretrained(result["weights"], dtype=torch.float32).eval()
+        start = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+        for rank in (0, 1):
+            choice = generate(rank).json()["choices"][0]
+            assert choice["weight_versions"][-1]["version"] == "step_3", (rank, choice["weight_versions"])
+            ids = torch.tensor([prompt + choice["token_ids"]])
+            served = torch.tensor([entry["logprob"] for entry in choice["logprobs"]["content"]])
+            for weights, name in ((trained, "trained"), (start, "start")):
+                with torch.no_grad():
+                    logp = weights(ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+                difference = (served - logp[len(prompt) - 1 :]).abs().max().item()
+                print(f"engine {rank}: max |logprob difference| {difference:.2g} from the {name} weights")
+                assert (difference < 1e-4) == (name == "trained"), (rank, name, difference)
+        outside = generate(2)  # the header is read, not ignored
+        assert outside.status_code == 400 and "out of range [0, 2)" in outside.text, outside.text
+    finally:
+        stop_serve(nodes)
+    # vllm/entrypoints/cli/serve.py run_headless logs it: engine 1 ran in the second launch, at the head's port.
+    line = f"in headless mode, with head node address tcp://127.0.0.1:{rpc_port}"
+    assert line in (tmp_path / "node1.log").read_text()
 
 
 # ---------------------------------------------------------------- node failure
