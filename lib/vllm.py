@@ -18,7 +18,11 @@ What each flag is for:
   so keep the server on 127.0.0.1 or a private network (the host defaults to 127.0.0.1).
 - Multi-node data parallel: the head runs the API server and `--data-parallel-size-local` engines;
   every other node runs `--headless` with its `--data-parallel-start-rank`, all pointing at the head's
-  `--data-parallel-address` and `--data-parallel-rpc-port`.
+  `--data-parallel-address` and `--data-parallel-rpc-port`. The head's API servers send /pause,
+  /collective_rpc, /update_weight_version, /reset_prefix_cache and /resume to every engine
+  (vllm/v1/engine/core_client.py, `DPLBAsyncMPClient.call_utility_async`), so a reload through the head
+  reaches the headless nodes' engines too; `/collective_rpc` answers with the first engine's result only.
+  A request's `X-data-parallel-rank: N` header runs it on engine N.
 """
 
 import dataclasses
