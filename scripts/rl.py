@@ -49,6 +49,10 @@ class InferenceConfig:
     """GPU memory share of the vLLM server rl.py starts (it shares the GPU with the trainer)."""
     max_concurrent: int = 64
     """Most episodes in flight at once."""
+    pause_mode: Literal["wait", "keep"] = "wait"
+    """How a weight sync pauses the servers: wait = each sync waits for the longest in-flight completion,
+    which ends on the old weights; keep = in-flight completions are held and go on under the new weights
+    (their later tokens carry the new label and logprobs; the loss uses per-token inference logprobs)."""
     probe_tolerance: float | None = None
     """Largest mean |logprob difference| allowed between a server and the trainer on the probe that
     follows every weight load; past it the run stops. None = 1e-3 when the trainer computes in float32
@@ -205,7 +209,7 @@ def main(cfg: Config) -> dict:
         label = f"step_{version}"
         probes = []
         if is_main:
-            sync.reload_weights(urls, path, api_key, label)
+            sync.reload_weights(urls, path, api_key, label, cfg.inference.pause_mode)
             probes = [sync.probe(url, name, probe_prompt, api_key) for url, name in zip(urls, names)]
         probes = dist.scatter([probes] * world_size)  # every rank takes part in the trainer's forward
         worst = 0.0
