@@ -63,7 +63,8 @@ def main() -> None:
         sft_args = ["@", str(ROOT / preset), "--data.num-examples", "2000"]
         model = cached_sft("trained-tiny", write_tiny(tmp / "tiny"), [preset], sft_args, 300)
         for engine in args.engines:
-            extra = ["--model.dtype", "float32", "--max-model-len", "2048"]
+            # 1 GiB of KV cache for vLLM's CPU build (its default, 4, may not fit beside other work).
+            extra = ["--model.dtype", "float32", "--max-model-len", "2048", "--vllm.cpu-kv-cache-gib", "1"]
             with client.running_server(
                 str(model), engine=engine, weights_root=tmp, log_path=tmp / f"{engine}.log", extra_args=extra
             ) as server:
@@ -73,11 +74,15 @@ def main() -> None:
                         results.setdefault((engine, mode), []).extend(
                             run(server.url, model, out, mode, args.steps)
                         )
+            report(results)  # after each engine, so a failure in the next one loses nothing
+
+
+def report(results: dict) -> None:
     print(f"{'engine':8} {'mode':6} {'step s':>8} {'sync s':>8} {'wait s':>8}")
     for (engine, mode), history in results.items():
         step, sync, wait = (mean(history, f"time/{k}") for k in ("step", "sync_weights", "wait_rollouts"))
         print(f"{engine:8} {mode:6} {step:8.3f} {sync:8.3f} {wait:8.3f}")
-    for engine in args.engines:
+    for engine in dict.fromkeys(engine for engine, _ in results):
         ratio = mean(results[(engine, "keep")], "time/step") / mean(results[(engine, "wait")], "time/step")
         print(f"{engine}: keep / wait step time {ratio:.2f}")
 
