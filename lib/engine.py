@@ -11,10 +11,15 @@ then top-p, renormalised (vLLM's `--logprobs-mode processed_logprobs`). Greedy d
 has no such distribution; it reports the plain softmax (temperature 1), the model's own probability
 of the argmax token.
 
-Weights change only between batches: `reload` stops admitting new sequences, waits until the running
-ones finish, copies the new tensors in and counts `reloads`, so no sequence ever mixes two policies.
+Weights change between two decode steps. `reload` stops admitting new sequences and copies the new
+tensors in once no step runs: after `pause("wait")` (or without a pause) it first waits until the
+running sequences finish, so none mixes two policies; after `pause("keep")` (vLLM's mode) the running
+sequences are held and go on under the new weights after `resume`. As vLLM does, the pause drops their
+KV cache (clear_cache, on by default), and `reset_prefix_cache(reset_running_requests=True)` does so
+later: their prompt and tokens so far are then recomputed under the weights loaded at `resume`. With
+clear_cache=False and no such reset they go on from KV computed by the old weights.
 As in vLLM, the weights' label (`weight_version`, "default" at start) changes only when a client sets
-it (POST /update_weight_version); every sequence reports the label of the weights that produced it.
+it (POST /update_weight_version); each sequence reports which label produced which of its tokens.
 """
 
 import collections
@@ -93,8 +98,8 @@ class Completion:
     """stop (end token, stop token or stop string), length (max_tokens) or abort (pause with mode=abort)."""
     stop_reason: int | str | None
     """The stop token id or stop string that ended the sequence (None for the end-of-sequence token)."""
-    weight_version: str
-    """Label of the weights that produced every token of this sequence."""
+    weight_versions: list[tuple[str, int, int]]
+    """(label, start, end): tokens [start, end) were sampled by the weights labelled so (vLLM's spans)."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -104,7 +109,6 @@ class _Request:
     future: concurrent.futures.Future
     completions: list
     remaining: int
-    version: str = "default"
 
 
 @dataclasses.dataclass(eq=False)
@@ -122,6 +126,7 @@ class _Sequence:
     ranks: list[int] = dataclasses.field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
     text: str | None = None
+    version_starts: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # (label, first token)
 
 
 @dataclasses.dataclass(eq=False)
@@ -228,6 +233,9 @@ class Engine:
         self._cond = threading.Condition()
         self._pending: collections.deque[list[_Sequence]] = collections.deque()
         self._paused = self._reloading = self._abort = self._busy = self._closed = False
+        # pause("keep"): the worker holds the running batch (`_held` once it does); `_recompute`: the
+        # held batch's KV is recomputed under the current weights before its next token.
+        self._keep = self._held = self._recompute = False
         self._worker = threading.Thread(target=self._loop, name="plainrl-engine", daemon=True)
         self._worker.start()
 
@@ -292,17 +300,30 @@ class Engine:
             self._cond.notify_all()
         return request.future
 
-    def pause(self, mode: str = "wait") -> None:
-        """Holds new sequences and returns once the running ones are done (mode=abort ends them at the next token)."""
+    def pause(self, mode: str = "wait", clear_cache: bool = True) -> None:
+        """Holds new sequences, and the running ones: wait lets them finish first, abort ends them at the
+        next token, keep holds them where they are (returns at the next step boundary) until `resume`.
+        clear_cache then drops the held sequences' KV, as vLLM's pause does in every mode."""
         with self._cond:
             self._paused = True
+            self._keep = mode == "keep"
             self._abort = self._abort or mode == "abort"
-            self._cond.wait_for(lambda: not self._busy)
+            self._cond.wait_for(lambda: not self._busy or self._held)
+            self._recompute = self._recompute or (clear_cache and self._held)
 
     def resume(self) -> None:
         with self._cond:
-            self._paused = self._abort = False
+            self._paused = self._abort = self._keep = False
             self._cond.notify_all()
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's answer: the builtin engine shares no KV between requests, so the only KV that can outlive
+        a reload is the running (or held) sequences' own. Without `reset_running_requests` that is a
+        failure (False) while any sequence still holds its KV, as in vLLM; with it their KV is recomputed,
+        under the weights then loaded, before their next token (vLLM preempts them and recomputes)."""
+        with self._cond:
+            self._recompute = self._recompute or (reset_running_requests and self._busy)
+            return self._recompute or not self._busy
 
     @property
     def paused(self) -> bool:
@@ -314,7 +335,7 @@ class Engine:
             tensors = read_weights(self.model, Path(directory))  # read before waiting: the pause stays short
             with self._cond:
                 self._reloading = True
-                self._cond.wait_for(lambda: not self._busy)
+                self._cond.wait_for(lambda: not self._busy or self._held)
             try:
                 state = self.model.state_dict()
                 with torch.no_grad():
@@ -368,6 +389,14 @@ class Engine:
                         break
                     self._busy = True
                     self._gather_burst()
+                elif self._keep:  # paused with mode=keep: decode nothing until resume (or another mode)
+                    self._held = True
+                    self._cond.notify_all()
+                    self._cond.wait_for(lambda: self._closed or not self._keep)
+                    self._held = False
+                    if self._closed:
+                        break
+                recompute, self._recompute = self._recompute, False
                 new, rows = [], len(batch.seqs) if batch else 0
                 while (
                     self._pending
@@ -377,7 +406,6 @@ class Engine:
                     seqs = self._pending.popleft()
                     # Running futures cannot be cancelled any more; a cancelled one lost its caller: skip it.
                     if seqs[0].request.future.set_running_or_notify_cancel():
-                        seqs[0].request.version = self.weight_version
                         new += seqs
                 abort = self._abort
             try:
@@ -386,6 +414,10 @@ class Engine:
                         for seq in batch.seqs:
                             self._finish(seq, "abort", None)
                         batch = None
+                    if recompute and batch is not None:
+                        batch.cache, batch.attention_mask, _ = self._forward(
+                            [seq.prompt_ids + seq.token_ids[:-1] for seq in batch.seqs]
+                        )
                     if new:
                         batch = self._join(batch, self._prefill(new))
                     if batch is not None:
@@ -398,6 +430,9 @@ class Engine:
                         seq.request.future.set_exception(RuntimeError(f"generation failed: {error!r}"))
                 batch = None
         with self._cond:
+            for seq in batch.seqs if batch else []:  # held by pause("keep") when the engine closed
+                if not seq.request.future.done():
+                    seq.request.future.set_exception(RuntimeError("the engine was closed."))
             for seqs in self._pending:
                 if seqs[0].request.future.set_running_or_notify_cancel():
                     seqs[0].request.future.set_exception(RuntimeError("the engine was closed."))
@@ -418,16 +453,13 @@ class Engine:
     def _admitting(self) -> bool:
         return not self._paused and not self._reloading
 
-    def _prefill(self, seqs: list[_Sequence]) -> _Batch | None:
+    def _forward(self, histories: list[list[int]]) -> tuple[object, torch.Tensor, torch.Tensor]:
+        """Runs the model over token lists, left-padded: their KV cache, attention mask and last logits."""
         from transformers import DynamicCache
 
-        width = max(len(seq.prompt_ids) for seq in seqs)
-        ids = torch.tensor(
-            [[self.pad_id] * (width - len(s.prompt_ids)) + s.prompt_ids for s in seqs], device=self.device
-        )
-        mask = torch.tensor(
-            [[0] * (width - len(s.prompt_ids)) + [1] * len(s.prompt_ids) for s in seqs], device=self.device
-        )
+        width = max(len(ids) for ids in histories)
+        ids = torch.tensor([[self.pad_id] * (width - len(h)) + h for h in histories], device=self.device)
+        mask = torch.tensor([[0] * (width - len(h)) + [1] * len(h) for h in histories], device=self.device)
         # Every row counts positions from 0 at its first real token, whatever its padding.
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
         cache = DynamicCache(config=self.model.config)
@@ -439,6 +471,10 @@ class Engine:
             use_cache=True,
             logits_to_keep=1,
         )
+        return cache, mask, out.logits[:, -1]
+
+    def _prefill(self, seqs: list[_Sequence]) -> _Batch | None:
+        cache, mask, logits = self._forward([seq.prompt_ids for seq in seqs])
         settings = []  # (temperature, top_k, top_p) per row
         for seq in seqs:
             params = seq.params
@@ -451,7 +487,7 @@ class Engine:
         temperature, top_k, top_p = (torch.tensor(column, device=self.device) for column in zip(*settings))
         lengths = torch.tensor([len(seq.prompt_ids) for seq in seqs], device=self.device)
         batch = _Batch(seqs, cache, mask, lengths, temperature, top_k, top_p, greedy)
-        return self._sample(batch, out.logits[:, -1])
+        return self._sample(batch, logits)
 
     def _decode(self, batch: _Batch) -> _Batch | None:
         batch.attention_mask = torch.cat(
@@ -486,9 +522,11 @@ class Engine:
         tokens_list, chosen_list = tokens.tolist(), chosen.tolist()
         if k:
             top_values, top_ids = top_values.clamp(min=LOGPROB_FLOOR).tolist(), top_ids.tolist()
-        keep = []
+        keep, label = [], self.weight_version
         for row, seq in enumerate(seqs):
             token = tokens_list[row]
+            if not seq.version_starts or seq.version_starts[-1][0] != label:
+                seq.version_starts.append((label, len(seq.token_ids)))
             seq.token_ids.append(token)
             seq.logprobs.append(chosen_list[row])
             seq.ranks.append(ranks[row])
@@ -532,15 +570,10 @@ class Engine:
             seq.text if seq.text is not None else self.decode(seq.token_ids, seq.params.skip_special_tokens)
         )
         request = seq.request
+        ends = [start for _, start in seq.version_starts[1:]] + [len(seq.token_ids)]
+        spans = [(label, start, end) for (label, start), end in zip(seq.version_starts, ends)]
         request.completions[seq.index] = Completion(
-            seq.token_ids,
-            seq.logprobs,
-            seq.ranks,
-            seq.top_logprobs,
-            text,
-            reason,
-            stop_reason,
-            request.version,
+            seq.token_ids, seq.logprobs, seq.ranks, seq.top_logprobs, text, reason, stop_reason, spans
         )
         request.remaining -= 1
         if request.remaining == 0:

@@ -11,8 +11,10 @@ Where the builtin server differs from vLLM, on purpose:
 - `--api-key` guards every route but /health, the admin routes included (vLLM guards /v1 and
   /inference only: its admin routes are open to anyone who reaches the port).
 - /pause defaults to mode=wait (in-flight requests finish); vLLM defaults to abort, so callers that
-  want the same behaviour from both should send mode=wait. mode=keep is served as wait: freezing a
-  sequence across a reload would mix two policies in it.
+  want the same behaviour from both should send the mode. mode=keep holds in-flight requests, which
+  go on under the new weights after /resume (`weight_versions` then has one span per label), as in
+  vLLM; their KV is recomputed under the new weights when the pause had clear_cache (the default) or
+  /reset_prefix_cache has reset_running_requests=true, as vLLM preempts and recomputes them.
 - reload_weights only reads directories under the weights root; anything else is 403.
 - Sampling defaults are OpenAI's (temperature 1, top_p 1, no top-k), not the model's
   generation_config.json; plainrl starts vLLM with `--generation-config vllm` to match.
@@ -377,7 +379,8 @@ def build_app(
                     "routed_experts": None,
                     "sampling_mask": None,
                     "weight_versions": [
-                        {"version": completion.weight_version, "start": 0, "end": len(completion.token_ids)}
+                        {"version": version, "start": start, "end": end}
+                        for version, start, end in completion.weight_versions
                     ],
                     "logprobs": generate_logprobs(completion, top) if sampling.logprobs is not None else None,
                 }
@@ -399,8 +402,8 @@ def build_app(
 
     # ------------------------------------------------------------ weight updates
     @app.post("/pause")
-    async def pause(mode: Literal["wait", "keep", "abort"] = Query("wait")):
-        await asyncio.to_thread(engine.pause, mode)
+    async def pause(mode: Literal["wait", "keep", "abort"] = Query("wait"), clear_cache: bool = True):
+        await asyncio.to_thread(engine.pause, mode, clear_cache)
         return {"status": "paused"}
 
     @app.post("/resume")
@@ -413,12 +416,13 @@ def build_app(
         return {"is_paused": engine.paused}
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache():
-        return {"success": True}  # the builtin engine keeps no prefix cache
+    async def reset_prefix_cache(reset_running_requests: bool = False, reset_external: bool = False):
+        # No KV connector here: reset_external (vLLM's external cache) has nothing to reset.
+        return {"success": engine.reset_prefix_cache(reset_running_requests)}
 
     @app.post("/update_weight_version")
     async def update_weight_version(new_version: str = Body(embed=True)):
-        engine.weight_version = new_version  # sequences admitted from now on carry it
+        engine.weight_version = new_version  # the tokens sampled from now on carry it
         return {"success": True, "new_version": new_version}
 
     @app.get("/weight_info")

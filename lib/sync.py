@@ -5,11 +5,18 @@ one sentence naming the server and the likely cause (rl.py's checkpoints stay as
 `--resume` continues from the last one once the server is fixed). No restart behind the user's back: a
 server that fails to load a directory would fail again on the same directory.
 
-Each reload: POST /pause?mode=wait (in-flight requests finish on the old weights), /collective_rpc
-reload_weights, /update_weight_version with the label "step_N" (vLLM 0.32 then reports it in every
-/inference/v1/generate choice as `weight_versions`; the builtin engine does the same), /reset_prefix_cache,
-and /resume, which is sent to every server still answering even when the reload failed, so nothing stays
-paused (an eval attached to the server would hang). Then a probe: each server samples a few tokens of a
+Each reload: POST /pause?mode=MODE, /collective_rpc reload_weights, /update_weight_version with the label
+"step_N" (vLLM 0.32 then reports it in every /inference/v1/generate choice as `weight_versions`, one span
+per label; the builtin engine does the same), /reset_prefix_cache?reset_running_requests=true, and
+/resume, which is sent to every server still answering even when the reload failed, so nothing stays
+paused (an eval attached to the server would hang). MODE wait: the pause returns once in-flight requests
+have finished on the old weights. MODE keep: it returns at once; in-flight requests are held and go on
+under the new weights after /resume (their later tokens carry the new label and the new policy's
+logprobs, which the loss uses per token). KV that old weights computed must not survive: vLLM keeps
+prefix-cached blocks that held requests still use, so a plain /reset_prefix_cache answers success false
+and drops nothing (when the pause did not clear the cache); reset_running_requests=true preempts the
+held requests, which recompute their prompt and tokens so far under the new weights. plainrl sends it,
+and stops when a server answers success false. Then a probe: each server samples a few tokens of a
 fixed prompt at temperature 0.5, and the trainer scores them; the label must be the new one and the mean
 logprob difference small. That also catches, at the start of a run, a server with another model, dtype,
 chat template or logprobs mode (raw logprobs differ from the tempered ones the probe asks for).
@@ -84,14 +91,18 @@ def check_weights_dir(directory: Path) -> None:
     )
 
 
-def reload_weights(urls: list[str], directory: Path, api_key: str | None, label: str) -> None:
-    """Makes every server serve `directory` under the label `label` (see the module docstring)."""
+def reload_weights(
+    urls: list[str], directory: Path, api_key: str | None, label: str, pause_mode: str = "wait"
+) -> None:
+    """Makes every server serve `directory` under the label `label`, pausing it with `pause_mode` (wait or
+    keep, see the module docstring)."""
+    assert pause_mode in ("wait", "keep"), f"unknown pause mode {pause_mode!r}"
     directory = Path(directory).resolve()
     check_weights_dir(directory)
     rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(directory)}}
     with httpx.Client(headers=headers(api_key)) as http:
         for url in urls:
-            post(http, url, "/pause?mode=wait")
+            post(http, url, f"/pause?mode={pause_mode}")
             try:
                 try:
                     post(http, url, "/collective_rpc", json=rpc)
@@ -100,7 +111,13 @@ def reload_weights(urls: list[str], directory: Path, api_key: str | None, label:
                         f"{error}; the server could not load {directory}: {likely_cause(url, directory)}"
                     ) from None
                 post(http, url, "/update_weight_version", json={"new_version": label})
-                post(http, url, "/reset_prefix_cache")
+                reset = post(http, url, "/reset_prefix_cache?reset_running_requests=true")
+                if not reset.get("success"):
+                    raise ValueError(
+                        f"the inference server {root_url(url)} did not drop its cached KV after loading "
+                        f"{directory} (/reset_prefix_cache answered {reset}): requests would reuse KV of the "
+                        "old weights"
+                    )
             finally:
                 try:  # a server that died has nothing to resume; the error on the way out says what happened
                     post(http, url, "/resume")

@@ -49,6 +49,19 @@ class InferenceConfig:
     """GPU memory share of the vLLM server rl.py starts (it shares the GPU with the trainer)."""
     max_concurrent: int = 64
     """Most episodes in flight at once."""
+    # Measured (benchmarks/bench_pause_mode.py: configs/tiny/rl.toml on the 300-step SFT tiny model,
+    # max_async_level 1, 2 x 11 timed steps per mode, everything on one CPU core): builtin engine
+    # wait 1.206 s/step, keep 1.158 (0.96x); vLLM CPU build wait 2.493, keep 2.727 (1.09x). keep halves
+    # the sync (vLLM 0.88 -> 0.46 s) but the held completions, recomputed, still need the same core
+    # afterwards (rollout wait 0.14 -> 0.56 s): no gain here, so wait stays the default. On a GPU with
+    # long completions (thousands of tokens, lengths spread) expect keep to win: wait idles the trainer
+    # and the GPU's batch for the longest completion's tail at every step, while keep's costs are one
+    # prefill of the held histories (cheap next to decoding them) and some tokens from the newer policy
+    # (the per-token inference logprobs and the older version tag keep the loss correct).
+    pause_mode: Literal["wait", "keep"] = "wait"
+    """How a weight sync pauses the servers: wait = each sync waits for the longest in-flight completion,
+    which ends on the old weights; keep = in-flight completions are held and go on under the new weights
+    (their later tokens carry the new label and logprobs; the loss uses per-token inference logprobs)."""
     probe_tolerance: float | None = None
     """Largest mean |logprob difference| allowed between a server and the trainer on the probe that
     follows every weight load; past it the run stops. None = 1e-3 when the trainer computes in float32
@@ -205,7 +218,7 @@ def main(cfg: Config) -> dict:
         label = f"step_{version}"
         probes = []
         if is_main:
-            sync.reload_weights(urls, path, api_key, label)
+            sync.reload_weights(urls, path, api_key, label, cfg.inference.pause_mode)
             probes = [sync.probe(url, name, probe_prompt, api_key) for url, name in zip(urls, names)]
         probes = dist.scatter([probes] * world_size)  # every rank takes part in the trainer's forward
         worst = 0.0
