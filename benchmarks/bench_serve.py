@@ -34,7 +34,7 @@ from lib.tiny import TinyConfig, write_tiny  # noqa: E402
 
 MODELS = {
     "tiny": TinyConfig(),
-    "30M": TinyConfig(hidden_size=512, num_hidden_layers=10, num_attention_heads=8, num_key_value_heads=4,
+    "30M": TinyConfig(hidden_size=512, num_hidden_layers=10, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
                       intermediate_size=1536),
 }  # fmt: skip
 

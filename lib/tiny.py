@@ -46,10 +46,14 @@ class TinyConfig:
     """Width of the residual stream."""
     num_hidden_layers: int = 2
     """Number of transformer blocks."""
-    num_attention_heads: int = 2
-    """Query heads (head_dim = hidden_size / heads; 32 by default, a size vLLM's CPU attention supports)."""
-    num_key_value_heads: int = 1
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_key_value_heads: int = 2
     """Key/value heads (grouped-query attention)."""
+    head_dim: int = 32
+    """Width of each head: vLLM's CPU attention supports 32 and up, not 16. Four heads of 32 on a residual
+    of 64 learn reverse_text better than two (reward after the demo's SFT 0.68 against 0.50 and 0.30 on
+    two seeds), for ~1.5x the SFT step time."""
     intermediate_size: int = 256
     """Width of the MLP."""
     max_position_embeddings: int = 2048
@@ -58,8 +62,6 @@ class TinyConfig:
     """Seed of the random initialisation: same seed, same weights."""
 
     def __post_init__(self):
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError("hidden_size must be divisible by num_attention_heads.")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be divisible by num_key_value_heads.")
 
@@ -97,7 +99,7 @@ def build_model(config: TinyConfig, vocab_size: int, eos_token_id: int, pad_toke
         num_hidden_layers=config.num_hidden_layers,
         num_attention_heads=config.num_attention_heads,
         num_key_value_heads=config.num_key_value_heads,
-        head_dim=config.hidden_size // config.num_attention_heads,
+        head_dim=config.head_dim,
         max_position_embeddings=config.max_position_embeddings,
         # Untied: vLLM's CPU build keeps a packed copy of a tied lm_head that an in-place weight reload
         # does not refresh, so it would go on sampling with the first lm_head (vLLM 0.32; GPUs unaffected).
