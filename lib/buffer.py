@@ -79,6 +79,20 @@ class StepBatch:
     wait_seconds: float
     """How long take() waited for the producer."""
 
+    def metrics(self, env_id: str) -> dict[str, float]:
+        """The step's reward and rollout scalars, as logged."""
+        rewards = [r.reward for group in self.groups for r in group]
+        mean = sum(rewards) / len(rewards)
+        return {
+            "reward/mean": mean,
+            "reward/std": (sum((x - mean) ** 2 for x in rewards) / len(rewards)) ** 0.5,
+            f"reward/{env_id}": mean,
+            "rollouts/flat_groups": self.num_flat_groups,
+            "rollouts/stale_dropped": self.num_stale_rollouts,
+            "rollouts/staleness_mean": self.staleness_mean,
+            "rollouts/staleness_max": self.staleness_max,
+        }
+
 
 class Buffer:
     """Holds finished groups from the background rollout producer until the trainer takes them.

@@ -1,4 +1,4 @@
-"""Inference servers from the controller's side: start scripts/serve.py on a free loopback port, wait for /health, watch it, stop it."""
+"""Inference servers from the controller's side: their settings (InferenceConfig); start scripts/serve.py on a free loopback port, wait for /health, watch it, stop it."""
 
 import contextlib
 import dataclasses
@@ -9,12 +9,56 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 # How often the controller checks a server's /health while it waits on it (rollouts, a reload).
 HEALTH_EVERY_S = 5.0
+
+
+@dataclasses.dataclass
+class InferenceConfig:
+    urls: list[str] = dataclasses.field(default_factory=list)
+    """Attach to these servers (base URLs ending in /v1); empty = start one with serve.py."""
+    api_key: str | None = None
+    """Bearer key of the servers (default: $PLAINRL_API_KEY if set)."""
+    engine: Literal["auto", "torch", "vllm"] = "auto"
+    """Engine of the server rl.py starts (auto: vLLM when installed and a GPU is visible)."""
+    port: int = 0
+    """Port of the server rl.py starts (0 = a free one)."""
+    gpu_memory_utilization: float = 0.3
+    """GPU memory share of the vLLM server rl.py starts (it shares the GPU with the trainer)."""
+    max_concurrent: int = 64
+    """Most episodes in flight at once."""
+    # Measured (benchmarks/bench_pause_mode.py: configs/tiny/rl.toml on the 300-step SFT tiny model,
+    # max_async_level 1, 2 x 11 timed steps per mode, everything on one CPU core): builtin engine
+    # wait 1.206 s/step, keep 1.158 (0.96x); vLLM CPU build wait 2.493, keep 2.727 (1.09x). keep halves
+    # the sync (vLLM 0.88 -> 0.46 s) but the held completions, recomputed, still need the same core
+    # afterwards (rollout wait 0.14 -> 0.56 s): no gain here, so wait stays the default. On a GPU with
+    # long completions (thousands of tokens, lengths spread) expect keep to win: wait idles the trainer
+    # and the GPU's batch for the longest completion's tail at every step, while keep's costs are one
+    # prefill of the held histories (cheap next to decoding them) and some tokens from the newer policy
+    # (the per-token inference logprobs and the older version tag keep the loss correct).
+    pause_mode: Literal["wait", "keep"] = "wait"
+    """How a weight sync pauses the servers: wait = each sync waits for the longest in-flight completion,
+    which ends on the old weights; keep = in-flight completions are held and go on under the new weights
+    (their later tokens carry the new label and logprobs; the loss uses per-token inference logprobs)."""
+    probe_tolerance: float | None = None
+    """Largest mean |logprob difference| allowed between a server and the trainer on the probe that
+    follows every weight load; past it the run stops. None = 1e-3 when the trainer computes in float32
+    (fp32 engines agree to ~1e-6), 0.05 in bfloat16 (bf16 engines differ by ~1e-2)."""
+
+    def __post_init__(self):
+        for url in self.urls:
+            check_base_url(url, "inference.urls")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("inference.gpu_memory_utilization must be in (0, 1].")
+        if self.max_concurrent < 1:
+            raise ValueError("inference.max_concurrent must be at least 1.")
+        if self.probe_tolerance is not None and self.probe_tolerance <= 0:
+            raise ValueError("inference.probe_tolerance must be positive.")
 
 
 @dataclasses.dataclass

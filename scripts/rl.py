@@ -22,9 +22,8 @@ Usage:
 import dataclasses
 import os
 from pathlib import Path
-from typing import Literal
 
-from lib.client import check_base_url
+from lib.client import InferenceConfig
 from lib.config import StopAfterStep, parse, run_main
 from lib.envs import EnvConfig
 from lib.evaluation import EvalConfig
@@ -33,49 +32,6 @@ from lib.loss import LossConfig
 from lib.model import LoraConfig, ModelConfig
 from lib.optim import OptimConfig
 from lib.sampling import SamplingConfig
-
-
-@dataclasses.dataclass
-class InferenceConfig:
-    urls: list[str] = dataclasses.field(default_factory=list)
-    """Attach to these servers (base URLs ending in /v1); empty = start one with serve.py."""
-    api_key: str | None = None
-    """Bearer key of the servers (default: $PLAINRL_API_KEY if set)."""
-    engine: Literal["auto", "torch", "vllm"] = "auto"
-    """Engine of the server rl.py starts (auto: vLLM when installed and a GPU is visible)."""
-    port: int = 0
-    """Port of the server rl.py starts (0 = a free one)."""
-    gpu_memory_utilization: float = 0.3
-    """GPU memory share of the vLLM server rl.py starts (it shares the GPU with the trainer)."""
-    max_concurrent: int = 64
-    """Most episodes in flight at once."""
-    # Measured (benchmarks/bench_pause_mode.py: configs/tiny/rl.toml on the 300-step SFT tiny model,
-    # max_async_level 1, 2 x 11 timed steps per mode, everything on one CPU core): builtin engine
-    # wait 1.206 s/step, keep 1.158 (0.96x); vLLM CPU build wait 2.493, keep 2.727 (1.09x). keep halves
-    # the sync (vLLM 0.88 -> 0.46 s) but the held completions, recomputed, still need the same core
-    # afterwards (rollout wait 0.14 -> 0.56 s): no gain here, so wait stays the default. On a GPU with
-    # long completions (thousands of tokens, lengths spread) expect keep to win: wait idles the trainer
-    # and the GPU's batch for the longest completion's tail at every step, while keep's costs are one
-    # prefill of the held histories (cheap next to decoding them) and some tokens from the newer policy
-    # (the per-token inference logprobs and the older version tag keep the loss correct).
-    pause_mode: Literal["wait", "keep"] = "wait"
-    """How a weight sync pauses the servers: wait = each sync waits for the longest in-flight completion,
-    which ends on the old weights; keep = in-flight completions are held and go on under the new weights
-    (their later tokens carry the new label and logprobs; the loss uses per-token inference logprobs)."""
-    probe_tolerance: float | None = None
-    """Largest mean |logprob difference| allowed between a server and the trainer on the probe that
-    follows every weight load; past it the run stops. None = 1e-3 when the trainer computes in float32
-    (fp32 engines agree to ~1e-6), 0.05 in bfloat16 (bf16 engines differ by ~1e-2)."""
-
-    def __post_init__(self):
-        for url in self.urls:
-            check_base_url(url, "inference.urls")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError("inference.gpu_memory_utilization must be in (0, 1].")
-        if self.max_concurrent < 1:
-            raise ValueError("inference.max_concurrent must be at least 1.")
-        if self.probe_tolerance is not None and self.probe_tolerance <= 0:
-            raise ValueError("inference.probe_tolerance must be positive.")
 
 
 @dataclasses.dataclass
@@ -413,19 +369,11 @@ def main(cfg: Config) -> dict:
 
             # -------------------------------------------------------- log
             if is_main:
-                rewards = [r.reward for group in batch.groups for r in group]
-                mean = sum(rewards) / len(rewards)
                 num_tokens = sum(len(r.token_ids) for r in batch.rollouts)
                 metrics = {
-                    "reward/mean": mean,
-                    "reward/std": (sum((x - mean) ** 2 for x in rewards) / len(rewards)) ** 0.5,
-                    f"reward/{cfg.env.id}": mean,
+                    **batch.metrics(cfg.env.id),
                     **{f"train/{k}": v for k, v in totals.items()},
                     "train/lr": lr,
-                    "rollouts/flat_groups": batch.num_flat_groups,
-                    "rollouts/stale_dropped": batch.num_stale_rollouts,
-                    "rollouts/staleness_mean": batch.staleness_mean,
-                    "rollouts/staleness_max": batch.staleness_max,
                     "rollouts/errors": producer.num_errors - num_errors,
                     "rollouts/too_long": len(batch.rollouts) - len(fitting),
                     "perf/tokens_per_second": num_tokens / max(trained, 1e-9),
