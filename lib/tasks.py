@@ -1,5 +1,6 @@
 """Tasks of a taskset: ids resolved to a module, tasks drawn lazily by a plain index, and SFT conversations."""
 
+import functools
 import importlib.util
 import sys
 
@@ -22,12 +23,17 @@ def resolve_id(env_id: str) -> str:
     own = OWN_TASKSETS[name]
     if importlib.util.find_spec(name) is None:
         return own
-    print(
+    say_once(
         f"environment {env_id}: loading the installed {name} module, not plainrl's own "
-        f"(environment id {own} loads plainrl's)",
-        file=sys.stderr,
+        f"(environment id {own} loads plainrl's)"
     )
     return env_id
+
+
+@functools.cache
+def say_once(message: str) -> None:
+    """Prints `message` to stderr the first time only (a run resolves its environment id more than once)."""
+    print(message, file=sys.stderr)
 
 
 def task_id(data) -> str | None:
@@ -121,7 +127,9 @@ def sft_conversations(env) -> list:
     if env.num_examples > 0:
         taskset = taskset.take(env.num_examples)
     elif not taskset.bounded:
-        raise ValueError(f"environment {env.id} is endless: give the number of examples (num_examples).")
+        raise ValueError(
+            f"environment {env.id} is endless: give the number of examples with --data.num-examples."
+        )
     tools = module.reference_tools() if hasattr(module, "reference_tools") else None
     conversations = []
     for task in taskset:

@@ -375,3 +375,34 @@ def test_two_cpu_processes_match_one_on_the_same_batches(tiny_dir, server, tmp_p
     assert any(not torch.equal(a[k], start[k]) for k in a)  # the steps did move the weights
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)
+
+
+def test_rl_runs_an_upstream_shaped_endless_taskset_with_a_tool(tiny_dir, server, tmp_path):
+    """upstream_taskset (its own Env class, settings under "task", `idx` ids, endless, a tool offered):
+    rl.py draws its tasks lazily, in order, and every episode runs (the untrained model's groups are flat)."""
+    cfg = rl_config(
+        tiny_dir,
+        tmp_path / "run",
+        server.url,
+        "--env.id",
+        "upstream_taskset",
+        "--env.args",
+        '{"task": {"exact": false}}',
+        "--examples-per-step",
+        "2",
+        "--rollouts-per-example",
+        "2",
+        "--sampling.max-tokens",
+        "16",
+    )
+    result = rl.main(cfg)
+    assert [m["rollouts/errors"] for m in result["history"]] == [0, 0]
+    records = [
+        json.loads(line)
+        for step in (1, 2)
+        for line in (tmp_path / "run" / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()
+    ]
+    # 2 steps of 2 groups, at most one step ahead: tasks 0-5 at most were drawn, each played twice.
+    ids = [record["task_id"] for record in records]
+    assert len(ids) == 8 and set(ids) <= {str(i) for i in range(6)} and all(ids.count(i) == 2 for i in ids)
+    assert all("reply with the sum only" in json.dumps(record["prompt"]) for record in records)

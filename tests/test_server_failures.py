@@ -116,7 +116,8 @@ def test_a_frozen_server_ends_the_run_in_seconds_and_resume_continues(hidden_ser
     os.killpg(server.process.pid, signal.SIGCONT)
     assert "did not answer" in sentence and "frozen" in sentence, sentence
     assert seconds < NOTICE_S, seconds
-    print(f"\nfrozen server: the run ended {seconds:.1f} s after SIGSTOP: {sentence}")
+    with capsys.disabled():  # the figure, in the test log (capsys holds the rest for the resume check)
+        print(f"\nfrozen server: the run ended {seconds:.1f} s after SIGSTOP: {sentence}")
     checkpoint = last_checkpoint(out)
     result = resume(trained_tiny, out, server.url, checkpoint + 2)
     assert len(result["history"]) == 2 and (out / "checkpoints" / f"step_{checkpoint + 2}").is_dir()
