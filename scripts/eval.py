@@ -95,11 +95,6 @@ def main(cfg: Config) -> dict:
     from lib.model import check_model_name
     from lib.provenance import write_provenance
 
-    name = cfg.name or f"{cfg.env}-{Path(cfg.model.name).name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = cfg.output_dir / name
-    print(f"run dir: {run_dir}", flush=True)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_config(cfg, run_dir / "config.toml")
     console = Console()
     api_key = cfg.api_key or os.environ.get("PLAINRL_API_KEY") or os.environ.get("OPENAI_API_KEY")
 
@@ -116,6 +111,12 @@ def main(cfg: Config) -> dict:
     tasks = list(load_tasks(vf_env, env).taskset)  # bounded: finite, or cut to -n
     if not tasks:
         fail(f"environment {cfg.env} gave no tasks.")
+    # The run directory only once the input is known good: a refused run leaves nothing behind.
+    name = cfg.name or f"{cfg.env}-{Path(cfg.model.name).name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = cfg.output_dir / name
+    print(f"run dir: {run_dir}", flush=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_config(cfg, run_dir / "config.toml")
 
     # ---------------------------------------------------------------- server
     with contextlib.ExitStack() as stack:

@@ -243,11 +243,13 @@ def test_a_finite_taskset_cycles_by_index_and_a_resume_starts_anywhere():
     assert resumed[4].data.id == "reverse_text-1"  # skipping ahead reads the taskset, in order
 
 
-def test_eval_refuses_an_endless_taskset_without_n(capsys):
+def test_eval_refuses_an_endless_taskset_without_n(capsys, tmp_path):
     from conftest import load_script
 
     eval_script = load_script("eval")
-    cfg = eval_script.Config(env="plainrl_calculator", num_examples=-1, base_url="http://127.0.0.1:9/v1")
+    cfg = eval_script.Config(
+        env="plainrl_calculator", num_examples=-1, base_url="http://127.0.0.1:9/v1", output_dir=tmp_path
+    )
     with pytest.raises(SystemExit) as exit_info:
         eval_script.main(cfg)
     assert exit_info.value.code == 2
@@ -255,6 +257,7 @@ def test_eval_refuses_an_endless_taskset_without_n(capsys):
         "plainrl_calculator is endless: give the number of examples to evaluate with -n."
         in capsys.readouterr().err
     )
+    assert list(tmp_path.iterdir()) == []  # a refused run leaves no run directory behind
 
 
 # ---------------------------------------------------------------- upstream-shaped tasksets
