@@ -308,7 +308,8 @@ class Engine:
             self._paused = True
             self._keep = mode == "keep"
             self._abort = self._abort or mode == "abort"
-            self._cond.wait_for(lambda: not self._busy or self._held)
+            self._cond.notify_all()  # a batch held by an earlier keep goes on (wait) or ends (abort)
+            self._cond.wait_for(self._settled)
             self._recompute = self._recompute or (clear_cache and self._held)
 
     def resume(self) -> None:
@@ -325,6 +326,10 @@ class Engine:
             self._recompute = self._recompute or (reset_running_requests and self._busy)
             return self._recompute or not self._busy
 
+    def _settled(self) -> bool:
+        """No decode step runs: the worker is idle, or holds its batch for a keep pause. Lock held."""
+        return not self._busy or (self._keep and self._held)
+
     @property
     def paused(self) -> bool:
         return self._paused
@@ -335,7 +340,7 @@ class Engine:
             tensors = read_weights(self.model, Path(directory))  # read before waiting: the pause stays short
             with self._cond:
                 self._reloading = True
-                self._cond.wait_for(lambda: not self._busy or self._held)
+                self._cond.wait_for(self._settled)
             try:
                 state = self.model.state_dict()
                 with torch.no_grad():

@@ -393,6 +393,22 @@ def test_engine_skips_requests_whose_caller_left_and_fails_queued_ones_on_close(
         queued.result(timeout=10)
 
 
+def test_a_wait_pause_after_a_keep_pause_lets_the_held_sequence_finish(tiny_dir):
+    from lib.engine import Engine, SamplingParams
+    from lib.model import ModelConfig
+
+    engine = Engine(ModelConfig(name=str(tiny_dir), device="cpu"))
+    future = engine.submit(list(range(5, 25)), SamplingParams(max_tokens=400, ignore_eos=True))
+    while not engine._busy:  # the sequence is running
+        time.sleep(0.01)
+    engine.pause("keep")  # held mid-sequence
+    assert not future.done()
+    engine.pause("wait")  # vLLM's wait: returns once the running sequences are done
+    assert future.done() and len(future.result()[0].token_ids) == 400
+    engine.resume()
+    engine.close()
+
+
 # ------------------------------------------------------------ verifiers clients
 def test_verifiers_train_client_generates_through_the_token_route(server, tokenizer, monkeypatch):
     """The train client rejects vLLM 0.32's /inference/v1/generate answers as they come (the server answers
