@@ -84,8 +84,8 @@ def main() -> None:
     parser.add_argument("--clients", default="train,eval", help="comma-separated: train, eval")
     args = parser.parse_args()
 
-    from lib.client import running_server
     from lib.envs import EnvConfig, load_env, load_tasks, model_context
+    from lib.inference import running_server
     from lib.sampling import SamplingConfig
     from lib.tiny import write_tiny
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 def run(engine: str, model: Path, out: Path, steps: int) -> dict:
     from conftest import load_script
 
-    from lib import client
+    from lib import inference
     from lib.config import parse
 
     rl = load_script("rl")
@@ -33,7 +33,7 @@ def run(engine: str, model: Path, out: Path, steps: int) -> dict:
     args += ["--steps", str(steps), "--max-async-level", "0", "--inference.engine", engine]
     args += ["--sampling.max-tokens", "64", "--checkpoint-every", str(steps)]
     started = {}
-    start_server = client.start_server
+    start_server = inference.start_server
 
     def timed_start(*a, **k):
         began = time.perf_counter()
@@ -41,11 +41,11 @@ def run(engine: str, model: Path, out: Path, steps: int) -> dict:
         started["seconds"] = time.perf_counter() - began
         return server
 
-    client.start_server = timed_start
+    inference.start_server = timed_start
     try:
         history = rl.main(parse(rl.Config, args))["history"][1:]
     finally:
-        client.start_server = start_server
+        inference.start_server = start_server
     rollouts = 8 * 8  # examples_per_step x rollouts_per_example of the preset
     return {
         "start_s": started["seconds"],

@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 from lib import dist
+from lib.config import UserError
 
 STEP_DIR = re.compile(r"step_(\d+)")
 
@@ -46,7 +47,7 @@ def open_run(cfg, is_main: bool, say) -> Path | None:
     run_dir = cfg.output_dir
     resume_from = latest(run_dir / "checkpoints")
     if resume_from and not cfg.resume:
-        raise ValueError(
+        raise UserError(
             f"{run_dir} already holds checkpoints: pass --resume to continue, or another --output-dir."
         )
     say(f"run dir: {run_dir}")

@@ -4,7 +4,7 @@
 
 TOML tables map to nested dataclasses (`[sampling] temperature = 0.8` is `--sampling.temperature 0.8`).
 The presets are turned into CLI flags placed before the user's own, so tyro checks every value the same
-way and a later flag wins. Bad input ends with one sentence on stderr and exit code 2, never a traceback.
+way and a later flag wins. Bad input (a UserError) ends with one sentence on stderr and exit code 2.
 This module imports no torch: `--help` must stay fast.
 """
 
@@ -26,6 +26,13 @@ import tyro
 USAGE = "Presets: `@ file.toml` (several allowed, deep-merged, later wins) before any --flag; flags override them."
 
 
+class UserError(ValueError):
+    """A mistake in what the user gave (settings, files, servers, data): the run ends with its one sentence
+    and exit code 2, no traceback. A ValueError, because tyro reports only that as a message when a
+    config's `__post_init__` raises; any other exception, a ValueError from torch included, keeps its
+    traceback."""
+
+
 def fail(message: str) -> typing.NoReturn:
     """Ends the program for a user mistake: one sentence, exit code 2."""
     print(f"error: {message}", file=sys.stderr)
@@ -39,7 +46,7 @@ def run_main(main, config, resume_dir: Path | None = None) -> None:
     threads by then."""
     try:
         main(config)
-    except ValueError as error:
+    except UserError as error:
         message = str(error).rstrip(".")
         fail(message if message.endswith("?") else message + ".")
     except KeyboardInterrupt:

@@ -5,6 +5,8 @@ import json
 import random
 from pathlib import Path
 
+from lib.config import UserError
+
 IGNORE = -100  # target of a token that carries no loss (prompt, padding, sample boundary)
 
 # A tokenized sample: token ids and a 0/1 mask of the tokens the model learns to produce.
@@ -28,9 +30,7 @@ def to_messages(row: dict) -> list[dict]:
     elif "prompt" in row and "completion" in row:
         messages = _as_messages(row["prompt"], "user") + _as_messages(row["completion"], "assistant")
     else:
-        raise ValueError(
-            f"a data record needs `messages` or `prompt` + `completion`, got keys {sorted(row)}."
-        )
+        raise UserError(f"a data record needs `messages` or `prompt` + `completion`, got keys {sorted(row)}.")
     # Datasets add columns such as tool_calls=None that chat templates would render: keep the text, and
     # the tool-call fields only where they are set.
     keep = ("tool_calls", "tool_call_id")
@@ -54,7 +54,7 @@ def load_conversations(env) -> list[list[dict] | dict]:
     if source.endswith(".jsonl"):
         path = Path(source)
         if not path.is_file():
-            raise ValueError(f"data file {source} does not exist.")
+            raise UserError(f"data file {source} does not exist.")
         lines = [line for line in path.read_text().splitlines() if line.strip()]
         rows = [json.loads(line) for line in lines]
         conversations = [with_tools(row, to_messages(row)) for row in rows]
@@ -64,7 +64,7 @@ def load_conversations(env) -> list[list[dict] | dict]:
         try:
             rows = datasets.load_dataset(source, split="train")
         except ConnectionError:  # datasets' answer when the hub is unreachable and nothing is cached
-            raise ValueError(
+            raise UserError(
                 f"could not reach the Hugging Face hub for {source}: give a local .jsonl instead."
             ) from None
         conversations = [with_tools(row, to_messages(row)) for row in rows]
@@ -75,7 +75,7 @@ def load_conversations(env) -> list[list[dict] | dict]:
     if env.num_examples > 0:
         conversations = conversations[: env.num_examples]
     if not conversations:
-        raise ValueError(f"data source {source} gave no conversations.")
+        raise UserError(f"data source {source} gave no conversations.")
     return conversations
 
 
@@ -101,13 +101,13 @@ def tokenize_conversation(tokenizer, messages: list[dict], tools: list[dict] | N
     """
     turns = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
     if not turns:
-        raise ValueError("a conversation has no assistant message to learn from.")
+        raise UserError("a conversation has no assistant message to learn from.")
     spans = []
     for i in turns:
         prompt = render(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
         full = render(tokenizer, messages[: i + 1], tools=tools)
         if full[: len(prompt)] != prompt:
-            raise ValueError(
+            raise UserError(
                 "the chat template does not render an assistant turn after its generation prompt."
             )
         reply = full[len(prompt) :]
@@ -169,7 +169,7 @@ def pack(lengths: list[int], seq_len: int) -> list[list[int]]:
     rows, free = [], []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         if lengths[i] > seq_len:
-            raise ValueError(
+            raise UserError(
                 f"a sequence of {lengths[i]} tokens does not fit in seq_len {seq_len}; raise seq_len."
             )
         for r, space in enumerate(free):

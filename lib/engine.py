@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from lib.config import UserError
 from lib.model import ModelConfig, load_model, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -179,7 +180,7 @@ def read_weights(model, directory: Path) -> dict[str, torch.Tensor]:
 
     files = sorted(Path(directory).glob("*.safetensors"))
     if not files:
-        raise ValueError(f"{directory} holds no .safetensors files.")
+        raise UserError(f"{directory} holds no .safetensors files.")
     tensors = {}
     for file in files:
         tensors.update(load_file(file))
@@ -187,12 +188,12 @@ def read_weights(model, directory: Path) -> dict[str, torch.Tensor]:
     required = {name for name, _ in model.named_parameters()}  # a tied weight is listed once
     unknown, missing = sorted(set(tensors) - set(state)), sorted(required - set(tensors))
     if unknown or missing:
-        raise ValueError(
+        raise UserError(
             f"{directory} does not fit the served model (missing {missing[:3]}, unknown {unknown[:3]})."
         )
     for name, tensor in tensors.items():
         if tensor.shape != state[name].shape:
-            raise ValueError(
+            raise UserError(
                 f"{directory}: {name} has shape {tuple(tensor.shape)}, the model {tuple(state[name].shape)}."
             )
     return tensors
@@ -212,7 +213,7 @@ class Engine:
         self.tokenizer = load_tokenizer(model_config.name)
         config = self.model.config
         if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
-            raise ValueError(
+            raise UserError(
                 "the builtin engine serves full-attention models only; use --engine vllm for this one."
             )
         self.device = next(self.model.parameters()).device
@@ -252,7 +253,7 @@ class Engine:
             try:
                 text = self.tokenizer.apply_chat_template(messages, tokenize=False, **template_kwargs)
             except TemplateError as error:  # templates refuse bad conversations by raising: a user error
-                raise ValueError(f"the chat template rejected the messages ({error}).") from error
+                raise UserError(f"the chat template rejected the messages ({error}).") from error
             return self.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -268,9 +269,9 @@ class Engine:
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raises ValueError, in one sentence, for a request this engine cannot serve."""
         if not prompt_ids:
-            raise ValueError("the prompt is empty.")
+            raise UserError("the prompt is empty.")
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}).")
+            raise UserError(f"prompt token ids must be in [0, {self.vocab_size}).")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise TooLong(
                 f"this model's maximum context length is {self.max_model_len} tokens, but the request asks for "
@@ -278,7 +279,7 @@ class Engine:
                 f"{params.max_tokens} to generate)."
             )
         if params.n > self.max_batch_size:
-            raise ValueError(
+            raise UserError(
                 f"n must be at most the server's max_batch_size ({self.max_batch_size}), got {params.n}."
             )
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from lib import patches
+from lib.config import UserError
 from lib.tasks import TaskStream, resolve_id, sft_conversations  # noqa: F401 (sft_conversations lived here)
 
 # verifiers takes ~3 s to import: it is imported inside the functions, so EnvConfig stays cheap (--help).
@@ -29,9 +30,9 @@ def json_object(text: str, name: str) -> dict:
     try:
         parsed = json.loads(text)
     except json.JSONDecodeError as error:
-        raise ValueError(f"{name} is not valid JSON ({error.msg}): {text}") from None
+        raise UserError(f"{name} is not valid JSON ({error.msg}): {text}") from None
     if not isinstance(parsed, dict):
-        raise ValueError(f"{name} must be a JSON object, got {text}.")
+        raise UserError(f"{name} must be a JSON object, got {text}.")
     return parsed
 
 
@@ -49,7 +50,7 @@ class EnvConfig:
     def __post_init__(self):
         json_object(self.args, "env.args")
         if self.num_examples == 0 or self.num_examples < -1:
-            raise ValueError("env.num_examples must be -1 (all) or positive.")
+            raise UserError("env.num_examples must be -1 (all) or positive.")
 
     @property
     def kwargs(self) -> dict:
@@ -156,9 +157,9 @@ def load_env(env: EnvConfig) -> "vf.Env":
     try:
         config = vf.resolve_env_config(vf_env_config(env))
     except ModuleNotFoundError:
-        raise ValueError(f"environment {env.id} is not an installed verifiers taskset.") from None
+        raise UserError(f"environment {env.id} is not an installed verifiers taskset.") from None
     except (AttributeError, TypeError) as error:  # a module by that name that is no taskset
-        raise ValueError(f"environment {env.id} is not a verifiers taskset ({error})") from None
+        raise UserError(f"environment {env.id} is not a verifiers taskset ({error})") from None
     except pydantic.ValidationError as error:
         problems = "; ".join(
             ".".join(map(str, e["loc"][1:] or ["args"]))
@@ -166,7 +167,7 @@ def load_env(env: EnvConfig) -> "vf.Env":
             + e["msg"].removeprefix("Value error, ").rstrip(".")
             for e in error.errors()
         )
-        raise ValueError(f"bad arguments for environment {env.id}: {problems}.") from None
+        raise UserError(f"bad arguments for environment {env.id}: {problems}.") from None
     patches.use_aiohttp_transport()
     patches.cache_default_factory_checks()
     return vf.load_environment(config)
@@ -217,7 +218,7 @@ def model_context(
     """
     import verifiers.v1 as vf
 
-    from lib.client import check_base_url
+    from lib.inference import check_base_url
 
     base_url = check_base_url(base_url)
     if api_key:

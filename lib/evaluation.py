@@ -8,6 +8,8 @@ import statistics
 from collections.abc import Callable
 from pathlib import Path
 
+from lib.config import UserError
+
 
 @dataclasses.dataclass
 class EvalConfig:
@@ -24,9 +26,9 @@ class EvalConfig:
 
     def __post_init__(self):
         if self.every < 0:
-            raise ValueError("eval.every must be >= 0 (0 = no evaluation).")
+            raise UserError("eval.every must be >= 0 (0 = no evaluation).")
         if self.num_examples < 1 or self.rollouts_per_example < 1 or self.max_concurrent < 1:
-            raise ValueError(
+            raise UserError(
                 "eval.num_examples, eval.rollouts_per_example and eval.max_concurrent must be >= 1."
             )
 
@@ -34,13 +36,13 @@ class EvalConfig:
 def split_held_out(tasks: list, num_held_out: int) -> tuple[list, list]:
     """(training tasks, held-out tasks): the last num_held_out are held out, disjoint by task id."""
     if num_held_out >= len(tasks):
-        raise ValueError(
+        raise UserError(
             f"eval.num_examples {num_held_out} leaves no training examples of the {len(tasks)} the env has."
         )
     train, held_out = tasks[:-num_held_out], tasks[-num_held_out:]
     shared = {t.data.id for t in train} & {t.data.id for t in held_out}
     if shared:
-        raise ValueError(
+        raise UserError(
             f"the env's task ids are not unique, so held-out tasks cannot be kept apart: {sorted(shared)[:3]}."
         )
     return train, held_out

@@ -7,6 +7,8 @@ import json
 import uuid
 from pathlib import Path
 
+from lib.config import UserError
+
 WANDB_INSTALL = "pip install wandb (or: pip install -r requirements.lock, which has it)"
 
 
@@ -25,12 +27,12 @@ class WandbConfig:
 
     def __post_init__(self):
         if self.project is None and (self.name or self.entity or self.tags or self.offline):
-            raise ValueError(
+            raise UserError(
                 "wandb.name, wandb.entity, wandb.tags and wandb.offline need wandb.project as well."
             )
         # Checked when the config is parsed: a run that asks for wandb fails before any heavy work.
         if self.project is not None and importlib.util.find_spec("wandb") is None:
-            raise ValueError(
+            raise UserError(
                 f"wandb.project needs the wandb package, which is not installed: {WANDB_INSTALL}."
             )
 

@@ -3,6 +3,8 @@
 import dataclasses
 from typing import Literal
 
+from lib.config import UserError
+
 
 @dataclasses.dataclass
 class LossConfig:
@@ -19,11 +21,11 @@ class LossConfig:
 
     def __post_init__(self):
         if not 0 < self.mask_threshold <= 1:
-            raise ValueError("loss.mask_threshold must be in (0, 1].")
+            raise UserError("loss.mask_threshold must be in (0, 1].")
         if self.log_ratio_coef < 0 or self.clip_low <= 0 or self.clip_high <= 0:
-            raise ValueError("loss.log_ratio_coef must be >= 0 and loss.clip_low/clip_high > 0.")
+            raise UserError("loss.log_ratio_coef must be >= 0 and loss.clip_low/clip_high > 0.")
         if self.clip_low >= 1:
-            raise ValueError("loss.clip_low must be below 1 (the ratio's lower clip is 1 - clip_low).")
+            raise UserError("loss.clip_low must be below 1 (the ratio's lower clip is 1 - clip_low).")
 
 
 # Everything below runs in the trainer; torch is imported lazily so `--help` stays fast.
@@ -152,7 +154,7 @@ def policy_loss(logp, inference_logp, adv, loss_mask, num_loss_tokens, config: L
         per_token = -adv * logp  # (B, T)
         masked = torch.zeros_like(loss_mask)  # (B, T)
     else:
-        raise ValueError(f"unknown loss.variant {config.variant!r} (choose dppo, ppo or reinforce).")
+        raise UserError(f"unknown loss.variant {config.variant!r} (choose dppo, ppo or reinforce).")
 
     # Token-level normalisation over the whole step (DAPO), not per sample or per micro-batch.
     loss = token_share(per_token, loss_mask, num_loss_tokens)  # ()

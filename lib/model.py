@@ -7,6 +7,8 @@ from typing import Annotated, Literal
 
 import tyro
 
+from lib.config import UserError
+
 
 @dataclasses.dataclass
 class ModelConfig:
@@ -21,7 +23,7 @@ class ModelConfig:
 
     def __post_init__(self):
         if not self.name:
-            raise ValueError("model.name must not be empty.")
+            raise UserError("model.name must not be empty.")
 
 
 def resolve_device(config: ModelConfig) -> str:
@@ -30,7 +32,7 @@ def resolve_device(config: ModelConfig) -> str:
     if config.device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if config.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("model.device is cuda but no CUDA device is visible.")
+        raise UserError("model.device is cuda but no CUDA device is visible.")
     return config.device
 
 
@@ -47,7 +49,7 @@ def check_model_name(name: str) -> None:
     looks_local = name.startswith((".", "/", "~")) or name.startswith("outputs") or Path(name).exists()
     if looks_local and not (Path(name).expanduser() / "config.json").is_file():
         hint = " (run `make tiny` to create it)" if "tiny" in name else ""
-        raise ValueError(f"model.name {name} is not a Hugging Face model directory{hint}.")
+        raise UserError(f"model.name {name} is not a Hugging Face model directory{hint}.")
 
 
 @contextlib.contextmanager
@@ -57,7 +59,7 @@ def loading(name: str):
         yield
     except OSError as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ValueError(f"could not load {name}: {reason.rstrip('.')}") from None
+        raise UserError(f"could not load {name}: {reason.rstrip('.')}") from None
 
 
 def load_tokenizer(name: str):
@@ -98,9 +100,9 @@ class LoraConfig:
 
     def __post_init__(self):
         if self.rank < 0:
-            raise ValueError("lora.rank must be 0 (off) or positive.")
+            raise UserError("lora.rank must be 0 (off) or positive.")
         if self.rank and not self.target_modules:
-            raise ValueError("lora.target_modules must name at least one module when lora.rank > 0.")
+            raise UserError("lora.target_modules must name at least one module when lora.rank > 0.")
 
 
 def load_trainable(

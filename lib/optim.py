@@ -4,6 +4,8 @@ import dataclasses
 import math
 from typing import Literal
 
+from lib.config import UserError
+
 
 @dataclasses.dataclass
 class OptimConfig:
@@ -26,11 +28,11 @@ class OptimConfig:
 
     def __post_init__(self):
         if self.lr <= 0:
-            raise ValueError(f"optim.lr must be positive, got {self.lr}.")
+            raise UserError(f"optim.lr must be positive, got {self.lr}.")
         if self.warmup_steps < 0 or self.max_grad_norm < 0 or self.weight_decay < 0:
-            raise ValueError("optim.warmup_steps, optim.max_grad_norm and optim.weight_decay must be >= 0.")
+            raise UserError("optim.warmup_steps, optim.max_grad_norm and optim.weight_decay must be >= 0.")
         if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError("optim.min_lr_ratio must be in [0, 1].")
+            raise UserError("optim.min_lr_ratio must be in [0, 1].")
 
 
 def lr_factor(config: OptimConfig, step: int, total_steps: int) -> float:
@@ -45,7 +47,7 @@ def lr_factor(config: OptimConfig, step: int, total_steps: int) -> float:
     elif config.schedule == "cosine":
         decay = 0.5 * (1.0 + math.cos(math.pi * progress))
     else:
-        raise ValueError(f"unknown schedule {config.schedule}")
+        raise UserError(f"unknown schedule {config.schedule}")
     return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * decay
 
 

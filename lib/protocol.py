@@ -8,6 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
+from lib.config import UserError
 from lib.engine import SamplingParams
 
 # Options the builtin engine does not implement, with the value that means "off".
@@ -53,10 +54,10 @@ class SamplingFields(BaseModel):
         for name, neutral in NEUTRAL.items():
             value = getattr(self, name, None)
             if value not in (None, neutral) and value != {}:
-                raise ValueError(f"{name} is not supported by the builtin engine.")
+                raise UserError(f"{name} is not supported by the builtin engine.")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if "" in stops:
-            raise ValueError("stop strings must not be empty.")
+            raise UserError("stop strings must not be empty.")
         return SamplingParams(
             # Like vLLM: without max_tokens, generate up to the end of the context.
             max_tokens=self.max_tokens or max(max_model_len - prompt_length, 1),

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from lib import envs
 from lib.buffer import Buffer, Rollout, StepBatch
-from lib.client import HEALTH_EVERY_S
+from lib.config import UserError
+from lib.inference import HEALTH_EVERY_S
 from lib.tasks import task_id
 
 # A run stops when no group has succeeded for this long (and many have failed): nothing works.
@@ -84,7 +85,7 @@ class Producer:
                 checked = time.monotonic()
             for message in self.pop_errors():
                 report(message)
-            if isinstance(self.failure, ValueError):  # every episode fails: one sentence, no traceback
+            if isinstance(self.failure, UserError):  # every episode fails: one sentence, no traceback
                 raise self.failure
             if self.failure is not None:
                 raise RuntimeError("the rollout producer failed") from self.failure
@@ -205,7 +206,7 @@ class Producer:
         quiet = time.monotonic() - self.last_success
         if self.failed_in_a_row >= 4 * self.examples_per_step and quiet >= FAILURE_PATIENCE_S:
             last = self.last_error or "no episode gave two rollouts"
-            self.failure = ValueError(
+            self.failure = UserError(
                 f"no group of rollouts succeeded for {quiet:.0f} s ({self.failed_in_a_row} failed in a row; "
                 f"last error: {last}); check the servers (model name, URL, API key) and the environment's args"
             )

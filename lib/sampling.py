@@ -5,6 +5,8 @@ from typing import Annotated
 
 import tyro
 
+from lib.config import UserError
+
 
 @dataclasses.dataclass
 class SamplingConfig:
@@ -21,10 +23,10 @@ class SamplingConfig:
 
     def __post_init__(self):
         if self.temperature < 0:
-            raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature}.")
+            raise UserError(f"sampling.temperature must be >= 0, got {self.temperature}.")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}.")
+            raise UserError(f"sampling.top_p must be in (0, 1], got {self.top_p}.")
         if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"sampling.top_k must be -1 (off) or positive, got {self.top_k}.")
+            raise UserError(f"sampling.top_k must be -1 (off) or positive, got {self.top_k}.")
         if self.max_tokens < 1:
-            raise ValueError(f"sampling.max_tokens must be at least 1, got {self.max_tokens}.")
+            raise UserError(f"sampling.max_tokens must be at least 1, got {self.max_tokens}.")

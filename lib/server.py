@@ -36,6 +36,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from lib.config import UserError
 from lib.engine import LOGPROB_FLOOR, Completion, Engine, SamplingParams
 from lib.protocol import ChatRequest, CompletionRequest, GenerateRequest, RpcRequest
 from lib.tools import parse_tool_calls
@@ -137,7 +138,7 @@ def build_app(
 
     def check_logprobs(k: int | None, name: str) -> int:
         if k is not None and k > max_logprobs:
-            raise ValueError(f"{name} {k} is more than the server's max_logprobs ({max_logprobs}).")
+            raise UserError(f"{name} {k} is more than the server's max_logprobs ({max_logprobs}).")
         return k or 0
 
     async def generate(prompt_ids: list[int], params: SamplingParams) -> list[Completion]:
@@ -244,7 +245,7 @@ def build_app(
             data = message.model_dump(exclude_none=True)
             if isinstance(message.content, list):
                 if any(part.get("type") != "text" for part in message.content):
-                    raise ValueError("the builtin engine accepts text content parts only.")
+                    raise UserError("the builtin engine accepts text content parts only.")
                 data["content"] = "".join(str(part.get("text", "")) for part in message.content)
             messages.append(data)
         prompt_ids = engine.render_chat(
@@ -255,9 +256,9 @@ def build_app(
             **(body.chat_template_kwargs or {}),
         )
         if body.prompt_logprobs is not None:
-            raise ValueError("the builtin engine serves prompt_logprobs on /v1/completions only.")
+            raise UserError("the builtin engine serves prompt_logprobs on /v1/completions only.")
         if body.top_logprobs and not body.logprobs:
-            raise ValueError("top_logprobs needs logprobs to be true.")
+            raise UserError("top_logprobs needs logprobs to be true.")
         top = check_logprobs(body.top_logprobs, "top_logprobs")
         body.max_tokens = body.max_tokens or body.max_completion_tokens
         params = body.to_params(len(prompt_ids), engine.max_model_len, top)
@@ -314,7 +315,7 @@ def build_app(
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
         if not prompt or any(len(p) == 0 for p in prompt):
-            raise ValueError("prompt must not be empty.")
+            raise UserError("prompt must not be empty.")
         prompts = [engine.encode(p) if isinstance(p, str) else list(p) for p in prompt]
         top = check_logprobs(body.logprobs, "logprobs")
         scored = check_logprobs(body.prompt_logprobs, "prompt_logprobs")
@@ -359,12 +360,12 @@ def build_app(
     async def generate_tokens(body: GenerateRequest):
         check_model(body.model)
         if body.features or body.content_parts:
-            raise ValueError("the builtin engine serves text-only prompts (no features or content_parts).")
+            raise UserError("the builtin engine serves text-only prompts (no features or content_parts).")
         if body.stream:
-            raise ValueError("the builtin engine does not stream /inference/v1/generate.")
+            raise UserError("the builtin engine does not stream /inference/v1/generate.")
         sampling = body.sampling_params
         if sampling.prompt_logprobs is not None:
-            raise ValueError("the builtin engine serves prompt_logprobs on /v1/completions only.")
+            raise UserError("the builtin engine serves prompt_logprobs on /v1/completions only.")
         top = check_logprobs(sampling.logprobs, "logprobs")
         params = sampling.to_params(len(body.token_ids), engine.max_model_len, top)
         completions = await generate(body.token_ids, params)
@@ -432,15 +433,15 @@ def build_app(
     @app.post("/collective_rpc")
     async def collective_rpc(body: RpcRequest):
         if body.method != "reload_weights":
-            raise ValueError(f"collective_rpc method {body.method!r} is not supported; use reload_weights.")
+            raise UserError(f"collective_rpc method {body.method!r} is not supported; use reload_weights.")
         weights_path = body.kwargs.get("weights_path")
         if not isinstance(weights_path, str) or not weights_path:
-            raise ValueError("reload_weights needs kwargs.weights_path, a directory.")
+            raise UserError("reload_weights needs kwargs.weights_path, a directory.")
         directory = Path(weights_path).expanduser().resolve()
         if not directory.is_relative_to(weights_root):
             raise HTTPException(403, f"weights_path must be under {weights_root}.")
         if not directory.is_dir():
-            raise ValueError(f"weights_path {directory} is not a directory.")
+            raise UserError(f"weights_path {directory} is not a directory.")
         await asyncio.to_thread(engine.reload, directory)
         return {"results": [None]}
 

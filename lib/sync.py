@@ -28,7 +28,8 @@ from pathlib import Path
 
 import httpx
 
-from lib.client import HEALTH_EVERY_S, check_servers, headers, root_url
+from lib.config import UserError
+from lib.inference import HEALTH_EVERY_S, check_servers, headers, root_url
 
 # /pause?mode=wait returns when the longest in-flight completion has finished (minutes for long GPU
 # completions), and loading a large model takes a while too: a request may take this long, as long as
@@ -71,13 +72,13 @@ def post(http: httpx.Client, url: str, path: str, timeout: float = REQUEST_TIMEO
             raise outcome["error"]
         response = outcome["response"]
     except httpx.TimeoutException:
-        raise ValueError(
+        raise UserError(
             f"the inference server {root} did not answer {path} within {timeout:.0f} s (is it frozen?)"
         ) from None
     except httpx.TransportError as error:
-        raise ValueError(f"the inference server {root} is not reachable ({error}): did it stop?") from None
+        raise UserError(f"the inference server {root} is not reachable ({error}): did it stop?") from None
     if response.status_code >= 400:
-        raise ValueError(
+        raise UserError(
             f"the inference server {root} answered {path} with {response.status_code}: {response.text[:300]}"
         )
     return response.json() if response.content else {}
@@ -107,13 +108,13 @@ def reload_weights(
                 try:
                     post(http, url, "/collective_rpc", json=rpc)
                 except ValueError as error:
-                    raise ValueError(
+                    raise UserError(
                         f"{error}; the server could not load {directory}: {likely_cause(url, directory)}"
                     ) from None
                 post(http, url, "/update_weight_version", json={"new_version": label})
                 reset = post(http, url, "/reset_prefix_cache?reset_running_requests=true")
                 if not reset.get("success"):
-                    raise ValueError(
+                    raise UserError(
                         f"the inference server {root_url(url)} did not drop its cached KV after loading "
                         f"{directory} (/reset_prefix_cache answered {reset}): requests would reuse KV of the "
                         "old weights"
@@ -156,13 +157,13 @@ def compare(probe: Probe, trainer_logprobs: list[float], label: str, tolerance: 
     """The mean |logprob difference| between a server and the trainer; ValueError past `tolerance` or when
     the server reports other weights than `label`."""
     if probe.label is not None and probe.label != label:
-        raise ValueError(
+        raise UserError(
             f"the inference server {root_url(probe.url)} serves weights {probe.label!r} {when}, not {label!r}: "
             "it did not take the new weights"
         )
     difference = sum(abs(a - b) for a, b in zip(probe.logprobs, trainer_logprobs)) / len(trainer_logprobs)
     if difference > tolerance:
-        raise ValueError(
+        raise UserError(
             f"the inference server {root_url(probe.url)} disagrees with the trainer {when}: mean |logprob "
             f"difference| {difference:.3g} > inference.probe_tolerance {tolerance} on the same tokens; was it "
             "started with another model, dtype, chat template or logprobs mode (vLLM needs "

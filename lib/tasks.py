@@ -4,6 +4,8 @@ import functools
 import importlib.util
 import sys
 
+from lib.config import UserError
+
 # plainrl's own tasksets live under names of their own; the public environments' ids find them too.
 OWN_TASKSETS = {"reverse_text": "plainrl_reverse_text", "alphabet_sort": "plainrl_alphabet_sort"}
 
@@ -73,7 +75,7 @@ class TaskStream:
             if self.position > index:
                 return task
         if not self.tasks:
-            raise ValueError(f"environment {self.env_id} gave no tasks.")
+            raise UserError(f"environment {self.env_id} gave no tasks.")
         self.length = len(self.tasks)
         return self.tasks[index % self.length]
 
@@ -121,13 +123,13 @@ def sft_conversations(env) -> list:
     try:
         module = import_taskset(env_id)
     except ModuleNotFoundError:
-        raise ValueError(f"environment {env.id} is not an installed verifiers taskset.") from None
+        raise UserError(f"environment {env.id} is not an installed verifiers taskset.") from None
     config = vf.taskset_config_type(env_id).model_validate({"id": env_id, **taskset_args(env)})
     taskset = vf.load_taskset(config)
     if env.num_examples > 0:
         taskset = taskset.take(env.num_examples)
     elif not taskset.bounded:
-        raise ValueError(
+        raise UserError(
             f"environment {env.id} is endless: give the number of examples with --data.num-examples."
         )
     tools = module.reference_tools() if hasattr(module, "reference_tools") else None
@@ -138,6 +140,6 @@ def sft_conversations(env) -> list:
         elif reference_answer(task.data) is not None:
             messages = answer_conversation(task.data)
         else:
-            raise ValueError(f"environment {env.id} has no reference answers to build SFT data from.")
+            raise UserError(f"environment {env.id} has no reference answers to build SFT data from.")
         conversations.append({"messages": messages, "tools": tools} if tools else messages)
     return conversations

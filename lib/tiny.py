@@ -4,6 +4,8 @@ import dataclasses
 import string
 from pathlib import Path
 
+from lib.config import UserError
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>"]
 # Every character the synthetic tasks may produce: printable ASCII plus newline and tab.
 CHARACTERS = sorted(set(string.printable) - {"\r", "\x0b", "\x0c"})
@@ -63,7 +65,7 @@ class TinyConfig:
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("num_attention_heads must be divisible by num_key_value_heads.")
+            raise UserError("num_attention_heads must be divisible by num_key_value_heads.")
 
 
 def build_tokenizer():

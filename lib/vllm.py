@@ -30,6 +30,8 @@ import importlib.util
 import os
 import sys
 
+from lib.config import UserError
+
 
 @dataclasses.dataclass
 class VllmConfig:
@@ -59,18 +61,18 @@ class VllmConfig:
 
     def __post_init__(self):
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(
+            raise UserError(
                 f"vllm.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
             )
         if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
-            raise ValueError("vllm.tensor_parallel_size and vllm.data_parallel_size must be at least 1.")
+            raise UserError("vllm.tensor_parallel_size and vllm.data_parallel_size must be at least 1.")
         if (
             self.data_parallel_size_local is not None
             and not 0 < self.data_parallel_size_local <= self.data_parallel_size
         ):
-            raise ValueError("vllm.data_parallel_size_local must be in 1..vllm.data_parallel_size.")
+            raise UserError("vllm.data_parallel_size_local must be in 1..vllm.data_parallel_size.")
         if self.headless and (self.data_parallel_address is None or self.data_parallel_start_rank is None):
-            raise ValueError(
+            raise UserError(
                 "vllm.headless needs vllm.data_parallel_address and vllm.data_parallel_start_rank."
             )
 
@@ -134,7 +136,7 @@ def exec_vllm(command: list[str], env: dict[str, str]) -> None:
     command: the same CLI, on the GPU wheel and on the CPU build alike.
     """
     if importlib.util.find_spec("vllm") is None:
-        raise ValueError(
+        raise UserError(
             "vllm is not installed: pip install -r requirements-vllm.lock (GPU) or run "
             "`make setup-vllm` (CPU build), or use --engine torch."
         )

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from lib.config import parse
+from lib.config import UserError, parse
 
 
 @dataclasses.dataclass
@@ -41,9 +41,9 @@ class Config:
 
     def __post_init__(self):
         if min(self.sft_steps, self.rl_steps, self.eval_examples, self.eval_rollouts) < 1:
-            raise ValueError("sft_steps, rl_steps, eval_examples and eval_rollouts must be at least 1.")
+            raise UserError("sft_steps, rl_steps, eval_examples and eval_rollouts must be at least 1.")
         if not 0 <= self.sft_min_lr_ratio <= 1:
-            raise ValueError("sft_min_lr_ratio must be in [0, 1].")
+            raise UserError("sft_min_lr_ratio must be in [0, 1].")
 
 
 def run(*args: str) -> None:

@@ -27,10 +27,10 @@ from typing import Annotated, Literal
 
 import tyro
 
-from lib.client import check_base_url
-from lib.config import fail, parse, run_main, write_config
+from lib.config import UserError, fail, parse, run_main, write_config
 from lib.envs import json_object
 from lib.evaluation import pass_at_k, run_all, summarize  # noqa: F401 (pass_at_k: eval.pass_at_k for users)
+from lib.inference import check_base_url
 from lib.log import WandbConfig
 from lib.model import ModelConfig
 from lib.sampling import SamplingConfig
@@ -71,11 +71,11 @@ class Config:
 
     def __post_init__(self):
         if self.num_examples == 0 or self.num_examples < -1:
-            raise ValueError("num_examples must be -1 (all) or positive.")
+            raise UserError("num_examples must be -1 (all) or positive.")
         if self.rollouts_per_example < 1:
-            raise ValueError("rollouts_per_example must be at least 1.")
+            raise UserError("rollouts_per_example must be at least 1.")
         if self.max_concurrent < 1:
-            raise ValueError("max_concurrent must be at least 1.")
+            raise UserError("max_concurrent must be at least 1.")
         if self.base_url is not None:
             check_base_url(self.base_url, "base_url")
         json_object(self.env_args, "env_args")
@@ -88,9 +88,9 @@ def main(cfg: Config) -> dict:
     from rich.table import Table
     from rich.text import Text
 
-    from lib.client import running_server
     from lib.config import to_dict
     from lib.envs import EnvConfig, episode_reward, load_env, load_tasks, model_context
+    from lib.inference import running_server
     from lib.log import wandb_eval
     from lib.model import check_model_name
     from lib.provenance import write_provenance
@@ -104,7 +104,7 @@ def main(cfg: Config) -> dict:
         if cfg.base_url is None:
             check_model_name(cfg.model.name)
         vf_env = load_env(env)
-    except ValueError as error:
+    except UserError as error:
         fail(str(error))
     if cfg.num_examples < 0 and not vf_env.taskset.bounded:
         fail(f"environment {cfg.env} is endless: give the number of examples to evaluate with -n.")

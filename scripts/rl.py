@@ -23,10 +23,10 @@ import dataclasses
 import os
 from pathlib import Path
 
-from lib.client import InferenceConfig
-from lib.config import StopAfterStep, parse, run_main
+from lib.config import StopAfterStep, UserError, parse, run_main
 from lib.envs import EnvConfig
 from lib.evaluation import EvalConfig
+from lib.inference import InferenceConfig
 from lib.log import WandbConfig
 from lib.loss import LossConfig
 from lib.model import LoraConfig, ModelConfig
@@ -93,23 +93,23 @@ class Config:
 
     def __post_init__(self):
         if min(self.steps, self.examples_per_step, self.rollouts_per_example, self.micro_batch_size) < 1:
-            raise ValueError(
+            raise UserError(
                 "steps, examples_per_step, rollouts_per_example and micro_batch_size must be >= 1."
             )
         if self.rollouts_per_example < 2:
-            raise ValueError("rollouts_per_example must be at least 2: a group of one has no advantage.")
+            raise UserError("rollouts_per_example must be at least 2: a group of one has no advantage.")
         if self.max_async_level < 0:
-            raise ValueError("max_async_level must be >= 0.")
+            raise UserError("max_async_level must be >= 0.")
         if self.sampling.top_p < 1 or self.sampling.top_k > 0:
-            raise ValueError(
+            raise UserError(
                 "rl.py trains with sampling.top_p = 1 and sampling.top_k = -1 only: top_p and top_k truncate "
                 "the sampled distribution at a boundary the trainer cannot reproduce exactly, which biases "
                 "the importance ratio (use temperature to shape sampling)."
             )
         if self.keep_weights < 2 or self.keep_checkpoints < 1 or self.checkpoint_every < 1:
-            raise ValueError("keep_weights must be >= 2, keep_checkpoints and checkpoint_every >= 1.")
+            raise UserError("keep_weights must be >= 2, keep_checkpoints and checkpoint_every >= 1.")
         if self.peer_timeout <= 0:
-            raise ValueError("peer_timeout must be a positive number of seconds.")
+            raise UserError("peer_timeout must be a positive number of seconds.")
 
 
 def main(cfg: Config) -> dict:
@@ -118,7 +118,7 @@ def main(cfg: Config) -> dict:
 
     import torch
 
-    from lib import client, dist, envs, sync
+    from lib import dist, envs, inference, sync
     from lib.buffer import pack
     from lib.checkpoint import drop_newer, load_checkpoint, open_run, save_checkpoint, save_weights
     from lib.config import to_dict
@@ -213,7 +213,7 @@ def main(cfg: Config) -> dict:
                 dtype = (
                     cfg.model.dtype if cfg.model.dtype != "auto" else str(save_dtype).removeprefix("torch.")
                 )
-                server = client.start_server(
+                server = inference.start_server(
                     cfg.model.name,
                     cfg.inference.port or None,
                     cfg.inference.engine,
@@ -236,7 +236,7 @@ def main(cfg: Config) -> dict:
             # started with, say): requests use that name, and it gets this run's weights below. The
             # prompts are rendered here, as for any run, with model.name's tokenizer and renderer.
             names = [
-                client.served_model(url, api_key) if cfg.inference.urls else cfg.model.name for url in urls
+                inference.served_model(url, api_key) if cfg.inference.urls else cfg.model.name for url in urls
             ]
             renderer = envs.renderer_name(cfg.model.name)
             contexts = [
@@ -245,13 +245,13 @@ def main(cfg: Config) -> dict:
             ]
             if cfg.eval.every:
                 if tasks.endless:
-                    raise ValueError("eval.every needs a finite taskset to hold examples out of.")
+                    raise UserError("eval.every needs a finite taskset to hold examples out of.")
                 train, held_out = split_held_out(list(tasks), cfg.eval.num_examples)
                 tasks = TaskStream(train, cfg.env.id)
                 evaluator = Evaluator(cfg, held_out, urls[0], names[0], api_key, run_dir / "eval")
             say(f"env {cfg.env.id}: {tasks.describe()}; {len(urls)} server(s): {' '.join(urls)}")
             for url in urls:
-                longest = client.model_card(url, api_key).get("max_model_len") or 0
+                longest = inference.model_card(url, api_key).get("max_model_len") or 0
                 if longest > cfg.seq_len:
                     say(
                         f"WARNING: {url} serves sequences of up to {longest} tokens, more than seq_len "
@@ -302,7 +302,7 @@ def main(cfg: Config) -> dict:
                 batch = producer.take(
                     step,
                     report=lambda message: log.print(f"rollout error: {message}"),
-                    check=lambda: client.check_servers(urls, api_key),
+                    check=lambda: inference.check_servers(urls, api_key),
                 )
                 # A server may serve longer sequences than a training row holds: such rollouts are dropped.
                 fitting = [r for r in batch.rollouts if len(r.token_ids) <= cfg.seq_len]

@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from lib.config import parse, run_main
+from lib.config import UserError, parse, run_main
 from lib.model import ModelConfig
 from lib.vllm import VllmConfig
 
@@ -60,9 +60,9 @@ class Config:
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
-            raise ValueError(f"port must be in 1..65535, got {self.port}.")
+            raise UserError(f"port must be in 1..65535, got {self.port}.")
         if self.max_batch_size < 1 or self.max_logprobs < 0:
-            raise ValueError("max_batch_size must be at least 1 and max_logprobs at least 0.")
+            raise UserError("max_batch_size must be at least 1 and max_logprobs at least 0.")
 
 
 def choose_engine(requested: str) -> tuple[str, str]:

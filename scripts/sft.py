@@ -29,7 +29,7 @@ Usage:
 import dataclasses
 from pathlib import Path
 
-from lib.config import StopAfterStep, parse, run_main
+from lib.config import StopAfterStep, UserError, parse, run_main
 from lib.envs import EnvConfig
 from lib.log import WandbConfig
 from lib.model import LoraConfig, ModelConfig
@@ -78,15 +78,15 @@ class Config:
 
     def __post_init__(self):
         if self.steps < 1 or self.batch_size < 1 or self.micro_batch_size < 1 or self.seq_len < 2:
-            raise ValueError("steps, batch_size and micro_batch_size must be >= 1 and seq_len >= 2.")
+            raise UserError("steps, batch_size and micro_batch_size must be >= 1 and seq_len >= 2.")
         if self.batch_size % self.micro_batch_size:
-            raise ValueError(
+            raise UserError(
                 f"batch_size {self.batch_size} is not divisible by micro_batch_size {self.micro_batch_size}."
             )
         if self.checkpoint_every < 1 or self.keep_checkpoints < 1 or self.log_every < 1:
-            raise ValueError("checkpoint_every, keep_checkpoints and log_every must be at least 1.")
+            raise UserError("checkpoint_every, keep_checkpoints and log_every must be at least 1.")
         if self.peer_timeout <= 0:
-            raise ValueError("peer_timeout must be a positive number of seconds.")
+            raise UserError("peer_timeout must be a positive number of seconds.")
 
 
 def main(cfg: Config) -> dict:
@@ -117,7 +117,7 @@ def main(cfg: Config) -> dict:
     is_main = rank == 0
     say = print if is_main else (lambda *args: None)
     if cfg.batch_size % (cfg.micro_batch_size * world_size):
-        raise ValueError(
+        raise UserError(
             f"batch_size {cfg.batch_size} is not divisible by micro_batch_size {cfg.micro_batch_size} "
             f"x {world_size} ranks."
         )

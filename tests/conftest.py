@@ -88,13 +88,13 @@ def vllm_server(vllm_installed, trained_tiny, tmp_path_factory):
     """One real vLLM server (fp32, the trained tiny model, 1 GiB of KV cache) for every test that can share
     it: a start costs 1-3 minutes here. It serves the model as "policy"; tests that load other weights
     load trained_tiny back after."""
-    from lib import client
+    from lib import inference
 
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
     extra = ["--model.dtype", "float32", "--max-logprobs", "128", "--vllm.cpu-kv-cache-gib", "1"]
     extra += ["--served-model-name", "policy"]
     extra += ["--max-model-len", "2048"]
-    with client.running_server(str(trained_tiny), engine="vllm", log_path=log, extra_args=extra) as server:
+    with inference.running_server(str(trained_tiny), engine="vllm", log_path=log, extra_args=extra) as server:
         yield server
 
 

@@ -182,3 +182,24 @@ def test_first_ctrl_c_is_a_request_and_the_second_stops_at_once(capsys):
     finally:
         stop.close()
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_only_a_user_error_is_one_sentence_other_value_errors_keep_their_traceback(capsys):
+    from lib.config import UserError, run_main
+
+    def bad_setting(config):
+        raise UserError("steps must be >= 1")
+
+    with pytest.raises(SystemExit) as ended:
+        run_main(bad_setting, None)
+    assert ended.value.code == 2
+    assert capsys.readouterr().err == "error: steps must be >= 1.\n"
+
+    def library_value_error(config):
+        import torch
+
+        torch.nn.functional.cross_entropy(torch.zeros(2, 3), torch.zeros(3, dtype=torch.long))
+
+    with pytest.raises(ValueError, match="batch_size") as raised:
+        run_main(library_value_error, None)
+    assert not isinstance(raised.value, UserError)

@@ -120,7 +120,7 @@ def test_eval_rejects_bad_input_in_one_sentence(eval_script):
 
 def test_eval_against_the_builtin_server_on_the_tiny_model(eval_script, tiny_dir, tmp_path, capsys):
     """Without -b, eval.py starts scripts/serve.py itself (and stops it); then both environments against one server."""
-    from lib.client import running_server
+    from lib.inference import running_server
 
     argv = f"reverse_text -m {tiny_dir} -n 2 -r 2 --max-tokens 8".split() + ["--env-args", SYNTHETIC]
     summary, records, _ = evaluate(eval_script, argv, tmp_path / "own", capsys)
@@ -137,7 +137,7 @@ def test_eval_against_the_builtin_server_on_the_tiny_model(eval_script, tiny_dir
 
 
 def test_start_server_reports_a_server_that_dies(tmp_path):
-    from lib.client import start_server
+    from lib.inference import start_server
 
     with pytest.raises(RuntimeError, match="exited with code"):
         start_server(str(tmp_path / "no_model_here"), engine="torch", log_path=tmp_path / "server.log")

@@ -21,7 +21,7 @@ import torch
 from conftest import ROOT, load_script
 from safetensors.torch import load_file
 
-from lib import client
+from lib import inference
 from lib.config import parse
 
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -181,8 +181,12 @@ def servers(tiny_dir, tmp_path_factory):
     """Two independent builtin-engine servers of the tiny model."""
     root = tmp_path_factory.getbasetemp()
     with (
-        client.running_server(str(tiny_dir), engine="torch", weights_root=root, log_path=root / "a.log") as a,
-        client.running_server(str(tiny_dir), engine="torch", weights_root=root, log_path=root / "b.log") as b,
+        inference.running_server(
+            str(tiny_dir), engine="torch", weights_root=root, log_path=root / "a.log"
+        ) as a,
+        inference.running_server(
+            str(tiny_dir), engine="torch", weights_root=root, log_path=root / "b.log"
+        ) as b,
     ):
         yield a, b
 
@@ -325,13 +329,13 @@ def test_vllm_head_and_headless_node_both_serve_every_reload(vllm_installed, tin
     def generate(rank: int) -> httpx.Response:
         """8 tokens sampled by engine `rank` (vLLM reads the header on every generate route)."""
         params = {"max_tokens": 8, "temperature": 1.0, "logprobs": 0, "seed": 1, "ignore_eos": True}
-        body = {"model": client.served_model(url), "token_ids": prompt, "sampling_params": params}
-        generate_url = f"{client.root_url(url)}/inference/v1/generate"
+        body = {"model": inference.served_model(url), "token_ids": prompt, "sampling_params": params}
+        generate_url = f"{inference.root_url(url)}/inference/v1/generate"
         return httpx.post(generate_url, json=body, headers={"X-data-parallel-rank": str(rank)}, timeout=60)
 
     try:
         deadline = time.monotonic() + 600  # the head answers once both engines are up: 2-4 minutes on 2 cores
-        while not client.is_healthy(url):
+        while not inference.is_healthy(url):
             assert all(node.poll() is None for node in nodes), logs()
             assert time.monotonic() < deadline, logs()
             time.sleep(1)

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import torch
 
-from lib import client, sync
+from lib import inference, sync
 
 PROMPT = [10 + (7 * i) % 80 for i in range(200)]
 KEPT_TOKENS = 1200
@@ -43,7 +43,7 @@ def server(request, tmp_path_factory):
         return
     old = shutil.copytree(request.getfixturevalue("tiny_dir"), root / "old")
     extra = ["--model.dtype", "float32", "--max-model-len", "2048"]
-    with client.running_server(
+    with inference.running_server(
         str(old), engine="torch", weights_root=root, log_path=root / "serve.log", extra_args=extra
     ) as builtin:
         sync.reload_weights([builtin.url], old, None, "old")
@@ -67,8 +67,8 @@ def scored(directory, token_ids: list[int]) -> torch.Tensor:
 
 def generate(url: str, max_tokens: int) -> dict:
     params = {"max_tokens": max_tokens, "temperature": 1.0, "logprobs": 0, "ignore_eos": True, "seed": 3}
-    body = {"model": client.served_model(url), "token_ids": PROMPT, "sampling_params": params}
-    answer = httpx.post(client.root_url(url) + "/inference/v1/generate", json=body, timeout=600)
+    body = {"model": inference.served_model(url), "token_ids": PROMPT, "sampling_params": params}
+    answer = httpx.post(inference.root_url(url) + "/inference/v1/generate", json=body, timeout=600)
     assert answer.status_code == 200, answer.text
     choice = answer.json()["choices"][0]
     return {
@@ -114,7 +114,7 @@ def test_keep_goes_on_under_the_new_weights_and_leaves_no_old_kv(server):
 
 def test_without_a_reset_the_kept_request_goes_on_from_the_old_kv(server):
     url, old, new = server
-    root = client.root_url(url)
+    root = inference.root_url(url)
     answers = {}
 
     def reload_keeping_the_cache():

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import ROOT, load_script, tensorboard_scalars, wandb_history
 
-from lib import client
+from lib import inference
 from lib.config import parse
 from lib.model import load_tokenizer
 
@@ -26,7 +26,7 @@ sys.path.insert(0, str(FIXTURES))  # letter_taskset: a reward that varies even f
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
     root = tmp_path_factory.getbasetemp()
-    with client.running_server(
+    with inference.running_server(
         str(tiny_dir), engine="torch", weights_root=root, log_path=root / "serve.log"
     ) as s:
         yield s
@@ -81,7 +81,7 @@ def test_the_server_rl_starts_gets_its_share_of_the_gpu_and_the_trainers_length(
             str(tiny_dir), "m", "127.0.0.1", 8000, "auto", 0, served.vllm, max_model_len=served.max_model_len
         )
 
-    monkeypatch.setattr(client, "start_server", start_server)
+    monkeypatch.setattr(inference, "start_server", start_server)
     command = vllm_flags("--inference.gpu-memory-utilization", "0.25", "--seq-len", "1024")
     assert command[command.index("--gpu-memory-utilization") + 1] == "0.25"  # not vLLM's 0.9 default
     assert (

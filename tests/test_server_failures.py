@@ -16,7 +16,7 @@ import time
 import pytest
 from conftest import ROOT, load_script
 
-from lib import client
+from lib import inference
 from lib.config import parse
 
 pytestmark = pytest.mark.slow
@@ -29,9 +29,9 @@ NOTICE_S = 20.0
 ENGINES = ["torch", pytest.param("vllm", marks=pytest.mark.vllm)]
 
 
-def start_hidden(engine: str, model, root, name: str) -> client.Server:
+def start_hidden(engine: str, model, root, name: str) -> inference.Server:
     """A server whose mount namespace hides `root/hidden` behind an empty tmpfs (tests run as root)."""
-    port = client.free_port()
+    port = inference.free_port()
     hidden = root / "hidden"
     hidden.mkdir(exist_ok=True)
     serve = [sys.executable, str(ROOT / "scripts/serve.py"), "--model.name", str(model), "--port", str(port)]
@@ -45,11 +45,11 @@ def start_hidden(engine: str, model, root, name: str) -> client.Server:
             stdout=out,
             stderr=subprocess.STDOUT,
             process_group=0,
-            preexec_fn=client.die_with_parent,
+            preexec_fn=inference.die_with_parent,
         )
-    server = client.Server(process, f"http://127.0.0.1:{port}/v1", log)
+    server = inference.Server(process, f"http://127.0.0.1:{port}/v1", log)
     deadline = time.monotonic() + 600
-    while not client.is_healthy(server.url):
+    while not inference.is_healthy(server.url):
         assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.5)
     return server
@@ -160,6 +160,8 @@ def test_a_killed_server_ends_the_run_in_seconds_and_resume_continues(
         replacement = request.getfixturevalue("vllm_server")
         result = resume(trained_tiny, out, replacement.url, checkpoint + 2)
     else:
-        with client.running_server(str(trained_tiny), engine="torch", weights_root=tmp_path) as replacement:
+        with inference.running_server(
+            str(trained_tiny), engine="torch", weights_root=tmp_path
+        ) as replacement:
             result = resume(trained_tiny, out, replacement.url, checkpoint + 2)
     assert len(result["history"]) == 2 and (out / "checkpoints" / f"step_{checkpoint + 2}").is_dir()

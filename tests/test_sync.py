@@ -8,7 +8,7 @@ import httpx
 import pytest
 from conftest import ROOT, load_script
 
-from lib import client, sync
+from lib import inference, sync
 from lib.config import parse
 
 rl = load_script("rl")
@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("sync-root")
-    with client.running_server(
+    with inference.running_server(
         str(tiny_dir), engine="torch", weights_root=root, log_path=root / "s.log"
     ) as s:
         yield s, root
@@ -30,18 +30,18 @@ def test_a_failed_reload_resumes_the_server_and_names_it_and_the_directory(serve
     with pytest.raises(ValueError) as failed:
         sync.reload_weights([running.url], outside, None, "step_3")
     sentence = str(failed.value)
-    assert client.root_url(running.url) in sentence and str(outside) in sentence and "403" in sentence
+    assert inference.root_url(running.url) in sentence and str(outside) in sentence and "403" in sentence
     assert "visible on that server's machine" in sentence
     # Before, the server stayed paused: every request after it (an attached eval) waited forever.
-    assert httpx.get(client.root_url(running.url) + "/is_paused").json() == {"is_paused": False}
-    assert client.is_healthy(running.url)
+    assert httpx.get(inference.root_url(running.url) + "/is_paused").json() == {"is_paused": False}
+    assert inference.is_healthy(running.url)
 
 
 def test_a_reload_labels_the_weights_and_the_probe_reports_the_label(server, tiny_dir):
     running, root = server
     weights = shutil.copytree(tiny_dir, root / "weights" / "step_7", dirs_exist_ok=True)
     sync.reload_weights([running.url], weights, None, "step_7")
-    probe = sync.probe(running.url, client.served_model(running.url), [5, 6, 7, 8], None)
+    probe = sync.probe(running.url, inference.served_model(running.url), [5, 6, 7, 8], None)
     assert probe.label == "step_7" and len(probe.completion_ids) == len(probe.logprobs) == sync.PROBE_TOKENS
 
 
@@ -59,9 +59,9 @@ def test_the_probe_stops_a_run_on_other_weights_or_a_disagreeing_server():
 
 
 def test_a_dead_or_silent_server_is_one_sentence(tmp_path):
-    gone = f"http://127.0.0.1:{client.free_port()}/v1"
+    gone = f"http://127.0.0.1:{inference.free_port()}/v1"
     with pytest.raises(ValueError, match="is not reachable .*did it stop"):
-        client.check_servers([gone])
+        inference.check_servers([gone])
     with httpx.Client() as http, pytest.raises(ValueError, match="is not reachable"):
         sync.post(http, gone, "/pause?mode=wait")
 

@@ -174,12 +174,12 @@ def test_tool_round_trip_scores_one_and_tool_results_carry_no_loss(train, script
 def engine_playing_tool_caller(request, tool_caller, tmp_path_factory):
     """A real engine serving tool_caller as "policy": the builtin one, or the shared vLLM server with those
     weights loaded (trained_tiny goes back after)."""
-    from lib import client, sync
+    from lib import inference, sync
 
     if request.param == "torch":
         log = tmp_path_factory.mktemp("builtin") / "serve.log"
         extra = ["--model.dtype", "float32", "--served-model-name", "policy"]
-        with client.running_server(
+        with inference.running_server(
             str(tool_caller), engine="torch", log_path=log, extra_args=extra
         ) as server:
             yield server

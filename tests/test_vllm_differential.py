@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from lib import client
+from lib import inference
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -23,7 +23,9 @@ PROMPTS = ["hello world", "a quick brown fox", "reinforcement", "tiny model"]
 def builtin_server(trained_tiny, tmp_path_factory):
     log = tmp_path_factory.mktemp("builtin") / "serve.log"
     extra = ["--model.dtype", "float32", "--max-logprobs", "128", "--served-model-name", NAME]
-    with client.running_server(str(trained_tiny), engine="torch", log_path=log, extra_args=extra) as server:
+    with inference.running_server(
+        str(trained_tiny), engine="torch", log_path=log, extra_args=extra
+    ) as server:
         yield server
 
 
@@ -37,11 +39,11 @@ def servers(vllm_server, builtin_server, trained_tiny):
 
 
 def root(server) -> str:
-    return client.root_url(server.url)
+    return inference.root_url(server.url)
 
 
 def model_name(server) -> str:
-    return client.served_model(server.url)
+    return inference.served_model(server.url)
 
 
 def chat_prompt(text: str) -> list[dict]:

@@ -8,6 +8,7 @@ from typing import Literal
 import verifiers.v1 as vf
 from pydantic import model_validator
 
+from lib.config import UserError
 from lib.envs import hf_rows
 
 NUM_SYNTHETIC = 1000
@@ -165,7 +166,7 @@ class AlphabetSortConfig(vf.TasksetConfig):
             for key in ("similarity_power", "power_per_turn"):
                 if key in task:
                     if key in values and values[key] != task[key]:
-                        raise ValueError(f"{key} is given twice, flat and under task, with different values.")
+                        raise UserError(f"{key} is given twice, flat and under task, with different values.")
                     values = {**values, key: task.pop(key)}
             values = {**values, "task": task}
         return values
@@ -173,16 +174,16 @@ class AlphabetSortConfig(vf.TasksetConfig):
     @model_validator(mode="after")
     def _check(self):
         if not 1 <= self.min_turns <= self.max_turns:
-            raise ValueError(f"need 1 <= min_turns <= max_turns, got {self.min_turns} and {self.max_turns}.")
+            raise UserError(f"need 1 <= min_turns <= max_turns, got {self.min_turns} and {self.max_turns}.")
         if not 1 <= self.min_names_per_turn <= self.max_names_per_turn:
-            raise ValueError(
+            raise UserError(
                 "need 1 <= min_names_per_turn <= max_names_per_turn, "
                 f"got {self.min_names_per_turn} and {self.max_names_per_turn}."
             )
         if self.similarity_power <= 0:
-            raise ValueError(f"similarity_power must be positive, got {self.similarity_power}.")
+            raise UserError(f"similarity_power must be positive, got {self.similarity_power}.")
         if self.num_examples == 0 or self.num_examples < -1:
-            raise ValueError("num_examples must be -1 (all) or positive.")
+            raise UserError("num_examples must be -1 (all) or positive.")
         return self
 
 
@@ -252,7 +253,7 @@ class AlphabetSortTaskset(vf.Taskset[AlphabetSortTask, AlphabetSortConfig]):
             fake.seed_instance(config.seed)
             longest = config.max_turns * config.max_names_per_turn
             if longest > MAX_SYNTHETIC_NAMES:
-                raise ValueError(
+                raise UserError(
                     f"synthetic episodes hold at most {MAX_SYNTHETIC_NAMES} names (faker's supply)."
                 )
             limit = NUM_SYNTHETIC if config.num_examples < 0 else config.num_examples

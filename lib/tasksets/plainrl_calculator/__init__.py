@@ -18,6 +18,7 @@ from difflib import SequenceMatcher
 import verifiers.v1 as vf
 from pydantic import model_validator
 
+from lib.config import UserError
 from plainrl_calculator.tools import CalculatorToolset, calculate
 
 SYSTEM_PROMPT = "Use the calculate tool, then give its result in <answer></answer> tags."
@@ -105,9 +106,9 @@ class CalculatorConfig(vf.TasksetConfig):
     @model_validator(mode="after")
     def _check(self):
         if self.num_examples == 0 or self.num_examples < -1:
-            raise ValueError("num_examples must be -1 (endless) or positive.")
+            raise UserError("num_examples must be -1 (endless) or positive.")
         if self.max_operand < 1 or self.max_operands < 2:
-            raise ValueError("need max_operand >= 1 and max_operands >= 2.")
+            raise UserError("need max_operand >= 1 and max_operands >= 2.")
         return self
 
 

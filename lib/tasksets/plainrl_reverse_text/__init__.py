@@ -8,6 +8,7 @@ from typing import Literal
 import verifiers.v1 as vf
 from pydantic import model_validator
 
+from lib.config import UserError
 from lib.envs import hf_rows
 
 SYSTEM_PROMPT = "Reverse the text character-by-character. Put your answer in <reversed_text> tags."
@@ -82,9 +83,9 @@ class ReverseTextConfig(vf.TasksetConfig):
     @model_validator(mode="after")
     def _check(self):
         if not 1 <= self.min_chars <= self.max_chars:
-            raise ValueError(f"need 1 <= min_chars <= max_chars, got {self.min_chars} and {self.max_chars}.")
+            raise UserError(f"need 1 <= min_chars <= max_chars, got {self.min_chars} and {self.max_chars}.")
         if self.num_examples == 0 or self.num_examples < -1:
-            raise ValueError("num_examples must be -1 (all) or positive.")
+            raise UserError("num_examples must be -1 (all) or positive.")
         return self
 
 

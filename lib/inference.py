@@ -13,6 +13,8 @@ from typing import Literal
 
 import httpx
 
+from lib.config import UserError
+
 ROOT = Path(__file__).resolve().parents[1]
 # How often the controller checks a server's /health while it waits on it (rollouts, a reload).
 HEALTH_EVERY_S = 5.0
@@ -54,11 +56,11 @@ class InferenceConfig:
         for url in self.urls:
             check_base_url(url, "inference.urls")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError("inference.gpu_memory_utilization must be in (0, 1].")
+            raise UserError("inference.gpu_memory_utilization must be in (0, 1].")
         if self.max_concurrent < 1:
-            raise ValueError("inference.max_concurrent must be at least 1.")
+            raise UserError("inference.max_concurrent must be at least 1.")
         if self.probe_tolerance is not None and self.probe_tolerance <= 0:
-            raise ValueError("inference.probe_tolerance must be positive.")
+            raise UserError("inference.probe_tolerance must be positive.")
 
 
 @dataclasses.dataclass
@@ -117,22 +119,20 @@ def check_servers(urls: list[str], api_key: str | None = None, timeout: float = 
         try:
             response = httpx.get(f"{root}/health", headers=headers(api_key), timeout=timeout)
         except httpx.TimeoutException:
-            raise ValueError(
+            raise UserError(
                 f"the inference server {root} did not answer /health within {timeout:.0f} s (is it frozen?)"
             ) from None
         except httpx.TransportError as error:
-            raise ValueError(
-                f"the inference server {root} is not reachable ({error}): did it stop?"
-            ) from None
+            raise UserError(f"the inference server {root} is not reachable ({error}): did it stop?") from None
         if response.status_code != 200:
-            raise ValueError(f"the inference server {root} answered /health with {response.status_code}")
+            raise UserError(f"the inference server {root} answered /health with {response.status_code}")
 
 
 def check_base_url(base_url: str, name: str = "the base URL") -> str:
     """The OpenAI-style base URL without a trailing slash; ValueError unless it ends in /v1."""
     base_url = base_url.rstrip("/")
     if not base_url.endswith("/v1"):
-        raise ValueError(f"{name} must end in /v1, e.g. http://localhost:8000/v1, got {base_url}.")
+        raise UserError(f"{name} must end in /v1, e.g. http://localhost:8000/v1, got {base_url}.")
     return base_url
 
 
@@ -153,13 +153,13 @@ def model_card(base_url: str, api_key: str | None = None) -> dict:
         return card
     except httpx.HTTPStatusError as error:
         status = error.response.status_code
-        raise ValueError(
+        raise UserError(
             f"{base_url}/models answered {status} (a wrong API key, or not an inference server)"
         ) from None
     except httpx.HTTPError as error:
-        raise ValueError(f"cannot reach the inference server {base_url} ({error})") from None
+        raise UserError(f"cannot reach the inference server {base_url} ({error})") from None
     except (ValueError, LookupError, TypeError):
-        raise ValueError(f"{base_url}/models does not list a model: is it an inference server?") from None
+        raise UserError(f"{base_url}/models does not list a model: is it an inference server?") from None
 
 
 def root_url(base_url: str) -> str:
