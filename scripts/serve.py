@@ -1,7 +1,7 @@
 """Serves a model over vLLM's HTTP dialect, and takes new weights while it runs.
 
 Two engines behind the same routes: vLLM on GPUs, and plainrl's builtin PyTorch engine
-(lib/engine.py, lib/server.py) for CPUs, laptops and tests. `--engine auto` picks vLLM when it is
+(lib/engine.py, lib/decode.py, lib/protocol.py, lib/server.py) for CPUs, laptops and tests. `--engine auto` picks vLLM when it is
 installed and a GPU is visible, else the builtin engine, and logs which. With vLLM this process becomes
 `vllm serve` (lib/vllm.py lists its flags); the builtin engine is served by uvicorn.
 
@@ -10,7 +10,7 @@ Both bind 127.0.0.1 unless --host says otherwise, and take `--api-key` (or $PLAI
     curl -X POST $URL/collective_rpc -d '{"method": "reload_weights", "kwargs": {"weights_path": "outputs/run/weights/step_3"}}'
     curl -X POST $URL/resume
 The builtin engine loads only directories under --weights-root (default outputs/) and reports the
-weight version in /v1/models and in every answer (`weight_version`).
+weights' label (POST /update_weight_version) in every /inference/v1/generate choice (`weight_versions`).
 
 Usage:
     python scripts/serve.py --model.name outputs/models/tiny --port 8000              # CPU, builtin engine
@@ -54,7 +54,7 @@ class Config:
     seed: int = 0
     """Default sampling seed of the engine."""
     max_logprobs: int = 20
-    """Most logprobs one request may ask for per token (top_logprobs, logprobs, prompt_logprobs), both engines."""
+    """Most logprobs one request may ask for per token (top_logprobs, logprobs; vLLM: prompt_logprobs too), both engines."""
     vllm: VllmConfig = dataclasses.field(default_factory=VllmConfig)
     """vLLM-only settings."""
 

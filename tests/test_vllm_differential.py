@@ -2,9 +2,10 @@
 answers with the same JSON keys, value types and status codes; greedy decoding picks the same tokens; and
 each engine's sampled logprobs equal the other engine's for the same tokens, at several sampling settings.
 
-The other engine scores a completion as a prompt (`prompt_logprobs` over the whole vocabulary: both
-engines report the raw distribution there); temperature, top-k and top-p are then applied to it as
-lib/engine.py applies them, so vLLM's sampled logprobs check that filter too.
+The other engine scores a completion as a prompt: vLLM's `prompt_logprobs` over the whole vocabulary (the
+raw distribution), and for the builtin engine, which serves no prompt_logprobs, the forward it runs
+(transformers, fp32). Temperature, top-k and top-p are then applied to it as lib/decode.py applies them, so
+vLLM's sampled logprobs check that filter too.
 """
 
 import httpx
@@ -76,11 +77,6 @@ def requests(model: str) -> dict[str, tuple[str, str, dict | bytes | None]]:
             {"model": model, "prompt": [5, 6, 7], "max_tokens": 4, "logprobs": 0, "return_token_ids": True},
         ),
         "completions_text": ("POST", "/v1/completions", {"model": model, "prompt": "abc", "max_tokens": 3}),
-        "prompt_logprobs": (
-            "POST",
-            "/v1/completions",
-            {"model": model, "prompt": [5, 6, 7], "max_tokens": 1, "prompt_logprobs": 2},
-        ),
         "generate": (
             "POST",
             "/inference/v1/generate",
@@ -110,8 +106,12 @@ def requests(model: str) -> dict[str, tuple[str, str, dict | bytes | None]]:
         "is_paused": ("GET", "/is_paused", None),
         "reset_prefix_cache": ("POST", "/reset_prefix_cache", None),
         "label": ("POST", "/update_weight_version", {"new_version": "label-1"}),
-        "weight_info": ("GET", "/weight_info", None),
         "resume": ("POST", "/resume", None),
+        "generate_labelled": (
+            "POST",
+            "/inference/v1/generate",
+            {"model": model, "token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 2}},
+        ),
     }
 
 
@@ -122,8 +122,8 @@ def send(server, method: str, path: str, body) -> httpx.Response:
     return httpx.request(method, root(server) + path, json=body, timeout=120)
 
 
-# Maps keyed by token (a completion's top_logprobs, prompt_logprobs) have data for keys.
-TOKEN_KEYED = {"top_logprobs", "prompt_logprobs"}
+# Maps keyed by token (a completion's top_logprobs) have data for keys.
+TOKEN_KEYED = {"top_logprobs"}
 
 
 def shape(value, key: str = ""):
@@ -177,7 +177,8 @@ def test_every_route_answers_with_vllms_keys_types_and_status_codes(servers):
             found += [f"{name} {d}" for d in differences(shape(vllm.json()), shape(builtin.json()))]
     assert not found, "\n".join(found)
     for engine in servers:  # the label set above is what the weights report
-        assert answers[engine]["weight_info"].json() == {"weight_version": "label-1"}
+        labelled = answers[engine]["generate_labelled"].json()["choices"][0]
+        assert labelled["weight_versions"] == [{"version": "label-1", "start": 0, "end": 2}]
     generated = answers["vllm"]["generate"].json()["choices"][0]
     assert generated["weight_versions"][0]["version"] == "default"  # labelled after it ran
     assert generated["logprobs"]["content"][0]["token_id"] == generated["token_ids"][0]
@@ -194,8 +195,15 @@ def test_greedy_decoding_picks_the_same_tokens(servers):
         assert len(set(token_ids["vllm"])) > 3  # a trained model: not one token over and over
 
 
-def full_distribution(server, token_ids: list[int], vocab_size: int) -> torch.Tensor:
+def full_distribution(engine: str, servers, model_dir, token_ids: list[int], vocab_size: int) -> torch.Tensor:
     """The raw next-token logprobs over the whole vocabulary after each prefix of `token_ids`: (T-1, V)."""
+    if engine == "builtin":  # the builtin engine's forward: transformers on the same fp32 weights
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        with torch.no_grad():
+            return model(torch.tensor([token_ids])).logits[0, :-1].double().log_softmax(-1)
+    server = servers[engine]
     body = {"model": NAME, "prompt": token_ids, "max_tokens": 1, "prompt_logprobs": vocab_size}
     answer = send(server, "POST", "/v1/completions", body)
     assert answer.status_code == 200, answer.text
@@ -215,7 +223,7 @@ def full_distribution(server, token_ids: list[int], vocab_size: int) -> torch.Te
 def test_sampled_logprobs_agree_across_engines(servers, trained_tiny, temperature, top_p, top_k):
     from transformers import AutoConfig
 
-    from lib.engine import processed_logprobs
+    from lib.decode import processed_logprobs
 
     vocab_size = AutoConfig.from_pretrained(trained_tiny).vocab_size
     worst = 0.0
@@ -235,7 +243,8 @@ def test_sampled_logprobs_agree_across_engines(servers, trained_tiny, temperatur
             sampled = torch.tensor(
                 [entry["logprob"] for entry in choice["logprobs"]["content"]], dtype=torch.float64
             )
-            raw = full_distribution(servers[scorer], prompt + completion, vocab_size)[len(prompt) - 1 :]
+            raw = full_distribution(scorer, servers, trained_tiny, prompt + completion, vocab_size)
+            raw = raw[len(prompt) - 1 :]
             rows = len(completion)
             expected = processed_logprobs(
                 raw,

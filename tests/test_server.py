@@ -1,60 +1,40 @@
-"""The builtin server over real HTTP on the tiny model: vLLM's routes and shapes, logprobs, reload, bad input."""
+"""The builtin server over real HTTP on the tiny model (lib/server.py, lib/protocol.py): vLLM's routes and
+shapes, the OpenAI and verifiers clients, sampling semantics, logprobs, reload, bad input."""
 
 import asyncio
-import os
 import shutil
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from conftest import ROOT, load_script
+
+from lib import inference
 
 KEY = "test-key"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
-    """serve.py --engine torch on the tiny model, once for the module; weights_root holds step_0 (the same weights)."""
+    """serve.py --engine auto on the tiny model, once for the module; weights_root holds step_0 (the same weights)."""
     root = tmp_path_factory.mktemp("weights_root")
     shutil.copytree(tiny_dir, root / "step_0")
-    port = free_port()
-    log = open(root.parent / "serve.log", "w")
-    command = [sys.executable, str(ROOT / "scripts" / "serve.py"), "--model.name", str(tiny_dir)]
-    command += ["--engine", "auto", "--port", str(port), "--api-key", KEY]
-    command += ["--weights-root", str(root), "--max-batch-size", "32"]
+    log = root.parent / "serve.log"
     # One torch thread: the tiny model gains nothing from more, and two processes each spinning two OpenMP
     # threads on a 2-core machine (this one and the server) can slow both down many times over.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
-    deadline = time.time() + 90
-    while True:
-        assert process.poll() is None, Path(log.name).read_text()
-        try:
-            if client.get("/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.time() < deadline, "server did not come up in 90 s"
-        time.sleep(0.2)
-    yield {"url": url, "client": client, "tiny_dir": tiny_dir, "root": root, "name": str(tiny_dir)}
-    client.close()
-    process.terminate()
-    process.wait(timeout=20)
-    log.close()
-    assert "engine: torch (auto:" in Path(log.name).read_text()
+    with inference.running_server(
+        str(tiny_dir),
+        engine="auto",
+        api_key=KEY,
+        weights_root=root,
+        log_path=log,
+        extra_args=["--max-batch-size", "32"],
+        threads=1,
+    ) as running:
+        url = inference.root_url(running.url)
+        client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        yield {"url": url, "client": client, "tiny_dir": tiny_dir, "root": root, "name": str(tiny_dir)}
+        client.close()
+    assert "engine: torch (auto:" in log.read_text()
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +46,9 @@ def new_weights(server):
 
 
 def weight_version(server) -> str:
-    return server["client"].get("/weight_info").json()["weight_version"]
+    """The label of the weights the server samples with now (what plainrl's probe reads)."""
+    body = generate_body([5, 6], max_tokens=1, ignore_eos=True)
+    return answer_version(server["client"].post("/inference/v1/generate", json=body).json())
 
 
 def answer_version(answer: dict) -> str:
@@ -133,10 +115,9 @@ def served_logprobs(choice):
 
 
 # ------------------------------------------------------------ routes and auth
-def test_models_route_reports_name_and_context_and_weight_info_the_label(server):
+def test_models_route_reports_name_and_context_and_generate_the_weights_label(server):
     card = server["client"].get("/v1/models").json()["data"][0]
-    assert card["id"] == server["name"] and card["object"] == "model"
-    assert card["max_model_len"] == 2048 and card["permission"][0]["allow_logprobs"] is True
+    assert card["id"] == server["name"] and card["object"] == "model" and card["max_model_len"] == 2048
     assert weight_version(server) == "default"
 
 
@@ -154,7 +135,7 @@ def test_every_route_but_health_requires_the_api_key(server):
         ("GET", "/is_paused"),
     ]
     routes += [("POST", "/collective_rpc"), ("POST", "/reset_prefix_cache"), ("GET", "/no/such/route")]
-    routes += [("POST", "/update_weight_version"), ("GET", "/weight_info")]
+    routes += [("POST", "/update_weight_version")]
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         for method, path in routes:
             response = httpx.request(method, server["url"] + path, headers=headers, json={})
@@ -323,29 +304,6 @@ def test_logprobs_equal_the_training_logprobs(server, tokenizer):
     assert worst < 1e-4, worst
 
 
-def test_pause_with_abort_ends_running_sequences(server, tokenizer):
-    client = server["client"]
-
-    async def scenario():
-        async with httpx.AsyncClient(
-            base_url=server["url"], headers={"Authorization": f"Bearer {KEY}"}
-        ) as http:
-            body = generate_body(tokenizer.encode("long"), max_tokens=1800, ignore_eos=True)
-            running = asyncio.create_task(http.post("/inference/v1/generate", json=body, timeout=120))
-            await asyncio.sleep(0.3)
-            assert (await http.post("/pause", params={"mode": "abort"}, timeout=120)).status_code == 200
-            return await running
-
-    try:
-        choice = asyncio.run(scenario()).json()["choices"][0]
-    finally:
-        client.post("/resume")
-    assert choice["finish_reason"] == "abort" and 0 < len(choice["token_ids"]) < 1800
-    assert len(choice["logprobs"]["content"]) == len(choice["token_ids"])
-    answer = client.post("/inference/v1/generate", json=generate_body([5, 6], max_tokens=3, ignore_eos=True))
-    assert answer.json()["choices"][0]["finish_reason"] == "length"  # resumed, and nothing left aborting
-
-
 def test_greedy_reports_the_plain_softmax_and_top_k_one_is_certain(server, tokenizer):
     model = reference_model(server["tiny_dir"])
     prompt = tokenizer.encode("greedy")
@@ -362,116 +320,7 @@ def test_greedy_reports_the_plain_softmax_and_top_k_one_is_certain(server, token
     assert top_one["token_ids"] == greedy["token_ids"] and served_logprobs(top_one).abs().max() == 0
 
 
-def test_top_k_and_top_p_filter_and_renormalise():
-    from lib.engine import processed_logprobs
-
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05], [0.4, 0.3, 0.2, 0.1]]))
-    logprobs = processed_logprobs(
-        logits, torch.ones(3), torch.tensor([2, 4, 4]), torch.tensor([1.0, 0.7, 1.0]), filtered=True
-    )
-    probs = logprobs.exp()
-    assert torch.allclose(probs[0], torch.tensor([0.625, 0.375, 0, 0]))  # top-2, renormalised
-    assert torch.allclose(probs[1], torch.tensor([0.625, 0.375, 0, 0]))  # 0.5 + 0.3 >= 0.7
-    assert torch.allclose(probs[2], torch.tensor([0.4, 0.3, 0.2, 0.1]))  # untouched
-
-
-def test_engine_skips_requests_whose_caller_left_and_fails_queued_ones_on_close(tiny_dir):
-    from lib.engine import Engine, SamplingParams
-    from lib.model import ModelConfig
-
-    engine = Engine(ModelConfig(name=str(tiny_dir), device="cpu"))
-    engine.pause()
-    params = SamplingParams(max_tokens=4, ignore_eos=True)
-    gone, kept = engine.submit([5, 6], params), engine.submit([7, 8], params)
-    assert gone.cancel()  # what asyncio does to the future when the HTTP client disconnects
-    engine.resume()
-    assert len(kept.result(timeout=60)[0].token_ids) == 4 and gone.cancelled()
-    engine.pause()
-    queued = engine.submit([5], params)
-    engine.close()
-    with pytest.raises(RuntimeError, match="closed"):
-        queued.result(timeout=10)
-
-
-def test_a_wait_pause_after_a_keep_pause_lets_the_held_sequence_finish(tiny_dir):
-    from lib.engine import Engine, SamplingParams
-    from lib.model import ModelConfig
-
-    engine = Engine(ModelConfig(name=str(tiny_dir), device="cpu"))
-    future = engine.submit(list(range(5, 25)), SamplingParams(max_tokens=400, ignore_eos=True))
-    while not engine._busy:  # the sequence is running
-        time.sleep(0.01)
-    engine.pause("keep")  # held mid-sequence
-    assert not future.done()
-    engine.pause("wait")  # vLLM's wait: returns once the running sequences are done
-    assert future.done() and len(future.result()[0].token_ids) == 400
-    engine.resume()
-    engine.close()
-
-
 # ------------------------------------------------------------ verifiers clients
-def test_verifiers_train_client_generates_through_the_token_route(server, tokenizer, monkeypatch):
-    """The train client rejects vLLM 0.32's /inference/v1/generate answers as they come (the server answers
-    in vLLM's shape); through plainrl's HTTP layer (lib/patches.py) it takes them, and trains on the
-    prompt tokens the server echoed."""
-    import renderers.client
-    from verifiers.v1.clients.train import TrainClient
-    from verifiers.v1.configs.client import TrainClientConfig
-    from verifiers.v1.dialects.chat import ChatDialect
-    from verifiers.v1.types import SamplingConfig
-
-    from lib import patches
-
-    monkeypatch.setenv("PLAINRL_TEST_API_KEY", KEY)
-    config = TrainClientConfig(
-        base_url=server["url"] + "/v1", api_key_var="PLAINRL_TEST_API_KEY", renderer_model_name=server["name"]
-    )
-    messages = [{"role": "user", "content": "Reverse: abc"}]
-    body = {"model": server["name"], "messages": messages}
-    echoed = []
-    parse = renderers.client.parse_generate_response
-    monkeypatch.setattr(
-        renderers.client, "parse_generate_response", lambda raw: echoed.append(parse(raw)) or echoed[-1]
-    )
-
-    async def call():
-        client = TrainClient(config)
-        try:
-            return await client.get_response(
-                ChatDialect(), body, SamplingConfig(temperature=1.0, max_tokens=8)
-            )
-        finally:
-            await client.close()
-
-    patches.use_aiohttp_transport()
-    with monkeypatch.context() as without_names:  # the answers as vLLM gives them, unnamed
-        without_names.setattr(patches, "name_generate_tokens", lambda payload: payload)
-        with pytest.raises(renderers.client.MalformedGenerateResponseError, match="token must be 'token_id:"):
-            asyncio.run(call())
-    response = asyncio.run(call())
-    tokens = response.tokens
-    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    assert tokens.prompt_ids == tokenizer.encode(rendered, add_special_tokens=False)
-    assert tokens.prompt_ids == echoed[-1]["prompt_token_ids"]  # asked for, and echoed, by the transport
-    assert 1 <= len(tokens.completion_ids) == len(tokens.completion_logprobs) <= 8
-    assert all(lp < 0 for lp in tokens.completion_logprobs) and response.finish_reason in ("stop", "length")
-
-
-def test_generate_answers_get_the_token_names_the_train_client_checks():
-    from lib.patches import name_generate_tokens
-
-    entry = {
-        "token_id": 5,
-        "logprob": -1.5,
-        "rank": 2,
-        "top_logprobs": [{"token_id": 7, "logprob": -0.2, "rank": 1}],
-    }
-    payload = name_generate_tokens({"choices": [{"logprobs": {"content": [entry]}}, {"logprobs": None}]})
-    named = payload["choices"][0]["logprobs"]["content"][0]
-    assert named["token"] == "token_id:5" and named["top_logprobs"][0]["token"] == "token_id:7"
-    assert named["token_id"] == 5 and named["rank"] == 2  # vLLM's fields stay
-
-
 def test_verifiers_eval_client_plain_and_streamed(server, monkeypatch):
     from verifiers.v1.clients.eval import EvalClient
     from verifiers.v1.configs.client import EvalClientConfig
@@ -597,7 +446,9 @@ def test_reload_changes_outputs_and_version_then_restores(server, new_weights, t
 
 
 def test_reload_refuses_paths_outside_the_weights_root(server):
-    client, root, version = server["client"], server["root"], weight_version(server)
+    client, root = server["client"], server["root"]
+    body = generate_body([5, 6, 7], seed=2, max_tokens=8, ignore_eos=True)
+    before = client.post("/inference/v1/generate", json=body).json()["choices"][0]
     (root / "escape").symlink_to(server["tiny_dir"], target_is_directory=True)
     outside = [server["tiny_dir"], root / ".." / root.name / "..", root / "escape", "/etc"]
     for path in outside:
@@ -614,7 +465,10 @@ def test_reload_refuses_paths_outside_the_weights_root(server):
         "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": str(root / "empty")}}
     )
     assert empty.status_code == 400 and "safetensors" in empty.json()["error"]["message"]
-    assert weight_version(server) == version  # nothing was loaded
+    after = client.post("/inference/v1/generate", json=body).json()["choices"][0]
+    assert (
+        after["token_ids"] == before["token_ids"] and after["logprobs"] == before["logprobs"]
+    )  # nothing loaded
 
 
 def test_reload_under_load_loses_no_request_and_never_mixes_weights(server, new_weights, tokenizer):
@@ -659,26 +513,3 @@ def test_reload_under_load_loses_no_request_and_never_mixes_weights(server, new_
         expected = training_logprobs(models[answer_version(answer)], prompt, choice["token_ids"], 0.8)
         worst = max(worst, (served_logprobs(choice) - expected).abs().max().item())
     assert worst < 1e-4, worst  # every token of every sequence came from the weights it reports
-
-
-# ------------------------------------------------------------ engine choice and CLI
-def test_auto_engine_picks_vllm_only_with_vllm_and_cuda(monkeypatch):
-    import importlib.util
-
-    serve = load_script("serve")
-    assert serve.choose_engine("torch") == ("torch", "--engine torch")
-    for has_vllm, has_cuda, expected in [
-        (False, True, "torch"),
-        (True, False, "torch"),
-        (True, True, "vllm"),
-    ]:
-        monkeypatch.setattr(importlib.util, "find_spec", lambda name, v=has_vllm: object() if v else None)
-        monkeypatch.setattr(torch.cuda, "is_available", lambda c=has_cuda: c)
-        assert serve.choose_engine("auto")[0] == expected
-
-
-def test_serve_binds_loopback_and_reloads_only_under_outputs_by_default():
-    from lib.config import parse
-
-    cfg = parse(load_script("serve").Config, ["--model.name", "outputs/models/tiny"])
-    assert cfg.host == "127.0.0.1" and cfg.api_key is None and cfg.weights_root == Path("outputs")

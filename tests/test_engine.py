@@ -1,0 +1,70 @@
+"""The builtin engine in-process (lib/engine.py, lib/decode.py): sampling filters, the queue, pause and close."""
+
+import time
+
+import pytest
+import torch
+
+from lib.decode import SamplingParams, processed_logprobs
+from lib.engine import Engine
+from lib.model import ModelConfig
+
+
+def test_top_k_and_top_p_filter_and_renormalise():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05], [0.4, 0.3, 0.2, 0.1]]))
+    logprobs = processed_logprobs(
+        logits, torch.ones(3), torch.tensor([2, 4, 4]), torch.tensor([1.0, 0.7, 1.0]), filtered=True
+    )
+    probs = logprobs.exp()
+    assert torch.allclose(probs[0], torch.tensor([0.625, 0.375, 0, 0]))  # top-2, renormalised
+    assert torch.allclose(probs[1], torch.tensor([0.625, 0.375, 0, 0]))  # 0.5 + 0.3 >= 0.7
+    assert torch.allclose(probs[2], torch.tensor([0.4, 0.3, 0.2, 0.1]))  # untouched
+
+
+def test_engine_skips_requests_whose_caller_left_and_fails_queued_ones_on_close(tiny_dir):
+    engine = Engine(ModelConfig(name=str(tiny_dir), device="cpu"))
+    engine.pause()
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    gone, kept = engine.submit([5, 6], params), engine.submit([7, 8], params)
+    assert gone.cancel()  # what asyncio does to the future when the HTTP client disconnects
+    engine.resume()
+    assert len(kept.result(timeout=60)[0].token_ids) == 4 and gone.cancelled()
+    engine.pause()
+    queued = engine.submit([5], params)
+    engine.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        queued.result(timeout=10)
+
+
+def test_a_wait_pause_after_a_keep_pause_lets_the_held_sequence_finish(tiny_dir):
+    engine = Engine(ModelConfig(name=str(tiny_dir), device="cpu"))
+    future = engine.submit(list(range(5, 25)), SamplingParams(max_tokens=400, ignore_eos=True))
+    while not engine._busy:  # the sequence is running
+        time.sleep(0.01)
+    engine.pause("keep")  # held mid-sequence
+    assert not future.done()
+    engine.pause("wait")  # vLLM's wait: returns once the running sequences are done
+    assert future.done() and len(future.result()[0].token_ids) == 400
+    engine.resume()
+    engine.close()
+
+
+def test_a_decode_step_returns_the_finished_rows_and_keeps_the_others(tiny_dir):
+    from lib.decode import Decoder, Sequence
+    from lib.model import load_model
+
+    model = load_model(ModelConfig(name=str(tiny_dir), device="cpu"))
+    decoder = Decoder(model, pad_id=0, detokenize=lambda ids, skip: "x" * len(ids), seed=0)
+
+    def sequence(prompt: list[int], max_tokens: int) -> Sequence:
+        return Sequence(prompt, SamplingParams(max_tokens=max_tokens), None, frozenset(), None, 0)
+
+    short, long = sequence([5, 6, 7], 1), sequence([8, 9], 3)
+    with torch.inference_mode():
+        batch, finished = decoder.step(None, [short, long], "v1")  # prefill samples one token, decode one
+        assert [seq for seq, _ in finished] == [short] and batch.seqs == [long] and len(long.token_ids) == 2
+        (completion,) = [completion for _, completion in finished]
+        assert completion.finish_reason == "length" and completion.weight_versions == [("v1", 0, 1)]
+        batch, finished = decoder.step(batch, [], "v2")
+    assert batch is None and [seq for seq, _ in finished] == [long]
+    assert finished[0][1].weight_versions == [("v1", 0, 2), ("v2", 2, 3)] and finished[0][1].text == "xxx"
