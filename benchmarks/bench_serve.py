@@ -15,21 +15,18 @@ Usage:
 
 import argparse
 import asyncio
-import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
-import httpx
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from lib import inference  # noqa: E402
 from lib.tiny import TinyConfig, write_tiny  # noqa: E402
 
 MODELS = {
@@ -37,30 +34,6 @@ MODELS = {
     "30M": TinyConfig(hidden_size=512, num_hidden_layers=10, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
                       intermediate_size=1536),
 }  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(model_dir: Path, port: int, threads: int) -> subprocess.Popen:
-    command = [sys.executable, str(ROOT / "scripts" / "serve.py"), "--model.name", str(model_dir)]
-    command += ["--engine", "torch", "--port", str(port), "--max-batch-size", "64"]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    process = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                return process
-        except httpx.TransportError:
-            time.sleep(0.2)
-    process.kill()
-    raise RuntimeError("the server did not start")
 
 
 async def server_round(session, prompts: list[list[int]], max_tokens: int) -> float:
@@ -148,13 +121,15 @@ def main() -> None:
             params = sum(p.numel() for p in model.parameters())
             texts = [f"Reverse the text: {'plainrl ' * (1 + i % 6)}" for i in range(max(args.concurrency))]
             all_prompts = [tokenizer.encode(t) for t in texts]
-            port = free_port()
-            server = start_server(model_dir, port, args.threads)
-            try:
-                rows = asyncio.run(compare(f"http://127.0.0.1:{port}", model, tokenizer, all_prompts, args))
-            finally:
-                server.terminate()
-                server.wait(timeout=30)
+            with inference.running_server(
+                str(model_dir),
+                engine="torch",
+                log_path=Path(tmp) / f"serve-{name}.log",
+                extra_args=["--max-batch-size", "64"],
+                threads=args.threads,
+            ) as server:
+                url = inference.root_url(server.url)
+                rows = asyncio.run(compare(url, model, tokenizer, all_prompts, args))
             for concurrency, served, local in rows:
                 print(
                     f"{name:>6} {params / 1e6:6.1f}M {concurrency:>5} {served:>13.0f} {local:>15.0f} "

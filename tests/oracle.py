@@ -7,7 +7,6 @@ client, /inference/v1/generate for the train client), on a free loopback port, i
 import contextlib
 import json
 import re
-import socket
 import threading
 import time
 
@@ -15,11 +14,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-
-def free_port() -> int:
-    with contextlib.closing(socket.socket()) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from lib.inference import free_port
 
 
 def oracle_app(conversations: list, tokenizer=None, broken: bool = False) -> FastAPI:

@@ -10,7 +10,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,18 +22,13 @@ from safetensors.torch import load_file
 
 from lib import inference
 from lib.config import parse
+from lib.inference import free_port
 
 FIXTURES = ROOT / "tests" / "fixtures"
 HOOKS = FIXTURES / "hooks"
 sys.path.insert(0, str(FIXTURES))
 rl = load_script("rl")
 sft = load_script("sft")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:  # other test runs share this machine
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def node_env(tmp_path: Path, **extra) -> dict:
