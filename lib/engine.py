@@ -150,7 +150,8 @@ class Engine:
         """Holds new sequences, and the running ones: wait lets them finish first (none then mixes two
         policies); keep holds them where they are (returns at the next step boundary) until `resume`,
         and they go on under the weights then loaded. clear_cache then drops the held sequences' KV, as
-        vLLM's pause does in every mode: it is recomputed under the new weights at `resume`."""
+        vLLM's pause does in every mode: it is recomputed under the new weights at `resume` (without it, and
+        without reset_prefix_cache(True), they go on from KV the old weights computed)."""
         assert mode in ("wait", "keep"), f"unknown pause mode {mode!r}"
         with self._cond:
             self._paused = True
