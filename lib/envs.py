@@ -183,10 +183,13 @@ def load_tasks(vf_env: "vf.Env", env: EnvConfig) -> TaskStream:
 
 
 def renderer_name(model: str) -> str:
-    """Renderer of the train client: the model-specific one for known hub ids (e.g. qwen3), else the chat template."""
+    """Renderer of the train client: the model-specific one for known hub ids (e.g. qwen3) and qwen3 for a local
+    Qwen3 directory with Qwen3's tokenizer (scripts/qwen.py's, a download, a fine-tune), else the chat template."""
     from renderers.base import MODEL_RENDERER_MAP
 
-    return MODEL_RENDERER_MAP.get(model, "default")
+    from lib.qwen import is_qwen3_directory
+
+    return "qwen3" if is_qwen3_directory(model) else MODEL_RENDERER_MAP.get(model, "default")
 
 
 def renderer_config(name: str) -> dict:
