@@ -1,20 +1,16 @@
-"""The rollout buffer: finished groups in, advantages out, stale and flat groups dropped, packed micro-batches."""
+"""Rollouts and their buffer: finished groups in, advantages out, stale and flat groups dropped."""
 
 import asyncio
 import dataclasses
 import statistics
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
-
-from lib import data
-
-if TYPE_CHECKING:
-    import torch
 
 
 @dataclasses.dataclass
 class Rollout:
+    """One training sequence of an episode, exactly as the model saw it, from the episode to the loss."""
+
     token_ids: list[int]
     """Every token of the episode exactly as the model saw it: prompt, completions and env turns."""
     loss_mask: list[bool]
@@ -171,99 +167,3 @@ class Buffer:
             staleness_max=max(staleness),
             wait_seconds=wait_seconds,
         )
-
-
-@dataclasses.dataclass
-class MicroBatch:
-    """One forward/backward's worth of packed rows; every tensor is (R, T).
-
-    Several rollouts share a row back to back; position_ids restart at 0 for each, which is how
-    transformers tells packed sequences apart: call the model with position_ids, no attention_mask
-    and use_cache=False (with a KV cache it skips the check and lets rollouts attend to each other).
-    """
-
-    input_ids: "torch.Tensor"
-    """Token ids (long); padding after the last rollout of a row."""
-    position_ids: "torch.Tensor"
-    """Position of each token within its own rollout (long); the padding counts from 0 as one more sequence."""
-    loss_mask: "torch.Tensor"
-    """True on sampled tokens (bool); False on prompts, env turns and padding."""
-    inference_logp: "torch.Tensor"
-    """Server logprob of each token (float32); 0 off the loss mask."""
-    advantages: "torch.Tensor"
-    """The rollout's advantage on each of its tokens (float32); 0 on padding."""
-
-    def to(self, device) -> "MicroBatch":
-        return MicroBatch(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
-
-    def num_loss_tokens(self) -> int:
-        return int(self.loss_mask.sum())
-
-
-def pack(
-    samples: list[Rollout],
-    seq_len: int,
-    rows_per_micro_batch: int = 1,
-    pad_token_id: int = 0,
-    num_micro_batches_multiple: int = 1,
-    packing: bool = True,
-) -> list[MicroBatch]:
-    """Packs samples into rows of at most seq_len tokens, then rows into micro-batches.
-
-    With packing off every sample gets a row of its own (longest first, so micro-batches pad little);
-    the model then needs no packed attention.
-
-    Each micro-batch is padded to its longest row, not to seq_len. Empty micro-batches (one padding
-    token, no loss) are appended until their number is a multiple of num_micro_batches_multiple, so
-    every rank can run the same number of forward/backward passes in lockstep.
-    """
-    import torch
-
-    for s in samples:
-        assert len(s.token_ids) == len(s.loss_mask) == len(s.inference_logp), (
-            "rollout fields differ in length"
-        )
-        # token_logp gives the first token of a packed sample a value predicted from the previous sample.
-        assert not s.loss_mask[0], "a rollout cannot start with a sampled token (it has no context)"
-    lengths = [len(s.token_ids) for s in samples]
-    if packing:
-        rows = data.pack(lengths, seq_len)
-    else:
-        rows = [[i] for i in sorted(range(len(samples)), key=lambda i: -lengths[i])]
-
-    micro_batches = []
-    for first in range(0, len(rows), rows_per_micro_batch):
-        chunk = rows[first : first + rows_per_micro_batch]
-        width = max(sum(len(samples[i].token_ids) for i in row) for row in chunk)
-        input_ids = torch.full((len(chunk), width), pad_token_id, dtype=torch.long)  # (R, T)
-        position_ids = torch.zeros((len(chunk), width), dtype=torch.long)  # (R, T)
-        loss_mask = torch.zeros((len(chunk), width), dtype=torch.bool)  # (R, T)
-        inference_logp = torch.zeros((len(chunk), width), dtype=torch.float32)  # (R, T)
-        advantages = torch.zeros((len(chunk), width), dtype=torch.float32)  # (R, T)
-        for r, row in enumerate(chunk):
-            offset = 0
-            for i in row:
-                s, n = samples[i], len(samples[i].token_ids)
-                mask = torch.tensor(s.loss_mask, dtype=torch.bool)  # (n,)
-                input_ids[r, offset : offset + n] = torch.tensor(s.token_ids, dtype=torch.long)
-                position_ids[r, offset : offset + n] = torch.arange(n)
-                loss_mask[r, offset : offset + n] = mask
-                logp = torch.tensor(s.inference_logp, dtype=torch.float32)  # (n,)
-                inference_logp[r, offset : offset + n] = torch.where(mask, logp, 0.0)
-                advantages[r, offset : offset + n] = s.advantage
-                offset += n
-            position_ids[r, offset:] = torch.arange(width - offset)
-        micro_batches.append(MicroBatch(input_ids, position_ids, loss_mask, inference_logp, advantages))
-
-    while len(micro_batches) % num_micro_batches_multiple:
-        empty = torch.zeros((1, 1), dtype=torch.long)  # (1, 1)
-        micro_batches.append(
-            MicroBatch(
-                torch.full_like(empty, pad_token_id),
-                empty.clone(),
-                empty.bool(),
-                empty.float(),
-                empty.float(),
-            )
-        )
-    return micro_batches

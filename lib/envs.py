@@ -1,130 +1,26 @@
-"""Environments: verifiers tasksets by id, played in-process (plainrl_chat harness) against a server, and their samples."""
+"""Episodes: a taskset played in-process (plainrl_chat harness) against a server, and the rollouts they give."""
 
 import asyncio
 import contextlib
-import dataclasses
-import json
 import os
-import socket
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import urlparse
 
 from lib import patches
+from lib.buffer import Rollout
 from lib.config import UserError
-from lib.tasks import TaskStream, resolve_id, sft_conversations  # noqa: F401 (sft_conversations lived here)
 
-# verifiers takes ~3 s to import: it is imported inside the functions, so EnvConfig stays cheap (--help).
+# json_object and sft_conversations: eval.py and tests import them through lib.envs too.
+from lib.tasks import EnvConfig, TaskStream, json_object, resolve_id, sft_conversations, taskset_args  # noqa: F401
+
+# verifiers takes ~3 s to import: it is imported inside the functions, so the scripts' --help stays fast.
 if TYPE_CHECKING:
     import verifiers.v1 as vf
 
     from lib.sampling import SamplingConfig
 
 API_KEY_VAR = "PLAINRL_API_KEY"
-
-
-def json_object(text: str, name: str) -> dict:
-    """`text` parsed as a JSON object; otherwise a one-sentence ValueError that names the setting."""
-    try:
-        parsed = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise UserError(f"{name} is not valid JSON ({error.msg}): {text}") from None
-    if not isinstance(parsed, dict):
-        raise UserError(f"{name} must be a JSON object, got {text}.")
-    return parsed
-
-
-@dataclasses.dataclass
-class EnvConfig:
-    id: str = "reverse_text"
-    """Taskset id: reverse_text, alphabet_sort, plainrl_calculator, or any installed verifiers taskset."""
-    args: str = "{}"
-    """JSON object of taskset arguments, e.g. '{"min_turns": 3}'."""
-    num_examples: int = -1
-    """How many dataset examples to use (-1 = all the taskset provides; an endless one is drawn as needed)."""
-    seed: int = 0
-    """Seed of the dataset order and of synthetic data."""
-
-    def __post_init__(self):
-        json_object(self.args, "env.args")
-        if self.num_examples == 0 or self.num_examples < -1:
-            raise UserError("env.num_examples must be -1 (all) or positive.")
-
-    @property
-    def kwargs(self) -> dict:
-        return json_object(self.args, "env.args")
-
-
-# ---------------------------------------------------------------- data
-
-
-def hub_reachable(timeout: float = 2.0) -> bool:
-    """Whether the Hugging Face hub answers a TCP connect within `timeout` seconds (offline machines fail fast)."""
-    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
-        return False
-    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
-    try:
-        socket.create_connection((host, 443), timeout=timeout).close()
-    except OSError:
-        return False
-    return True
-
-
-def hf_rows(taskset: str, dataset: str, split: str, source: str) -> list[dict] | None:
-    """The rows of a HF dataset, or None where a taskset should make synthetic data; says which on stderr.
-
-    source "hf" must load (errors propagate; with HF_HUB_OFFLINE=1 from the local cache), "synthetic"
-    never tries, "auto" tries only when the hub answers within 2 s and falls back to synthetic data on
-    any failure, naming the cause.
-    """
-    if source == "synthetic":
-        print(f"{taskset}: synthetic data (source=synthetic)", file=sys.stderr)
-        return None
-    if source == "auto" and not hub_reachable():
-        print(
-            f"{taskset}: the Hugging Face hub is unreachable or HF_HUB_OFFLINE is set: synthetic data instead of "
-            f"{dataset} (the argument source=hf loads a cached copy)",
-            file=sys.stderr,
-        )
-        return None
-    import datasets
-
-    try:
-        rows = list(datasets.load_dataset(dataset, split=split))
-    except Exception as error:  # any loading failure in auto mode means: fall back, and say why
-        if source == "hf":
-            raise
-        print(f"{taskset}: could not load {dataset} ({error}); synthetic data instead", file=sys.stderr)
-        return None
-    print(f"{taskset}: {len(rows)} rows of {dataset} ({split})", file=sys.stderr)
-    return rows
-
-
-# ---------------------------------------------------------------- loading
-
-
-def taskset_args(env: EnvConfig) -> dict:
-    """The taskset's arguments: env.args, plus env.seed and env.num_examples where the taskset has such fields.
-
-    A flat argument the taskset does not have but its task config does (upstream alphabet_sort keeps
-    `similarity_power` there) moves under "task", so both shapes reach the same field.
-    """
-    import verifiers.v1 as vf
-
-    config_type = vf.taskset_config_type(resolve_id(env.id))
-    fields = config_type.model_fields
-    args = env.kwargs
-    task_type = fields["task"].annotation if "task" in fields else None
-    task_fields = getattr(task_type, "model_fields", {})
-    for key in [key for key in args if key not in fields and key in task_fields]:
-        args.setdefault("task", {})[key] = args.pop(key)
-    if "seed" in fields:
-        args.setdefault("seed", env.seed)
-    if "num_examples" in fields and env.num_examples > 0:
-        args.setdefault("num_examples", env.num_examples)
-    return args
 
 
 def vf_env_config(env: EnvConfig) -> dict:
@@ -302,34 +198,23 @@ def episode_reward(episode: "vf.Episode") -> float:
     return float(sum(trace.reward or 0.0 for trace in episode.traces))
 
 
-@dataclasses.dataclass
-class Sample:
-    """One training sequence of an episode, exactly as the model saw it."""
+def training_samples(
+    episode: "vf.Episode",
+    policy_version: int = 0,
+    env: str = "",
+    task_id: str = "",
+    episode_index: int | None = None,
+) -> tuple[list[Rollout], str | None]:
+    """Rollouts of a train-client episode, one per trainable branch, and why it failed (None if it did not).
 
-    token_ids: list[int]
-    """Every token: the prompt, each completion, and the user turns between them."""
-    loss_mask: list[bool]
-    """True on the tokens the model sampled; prompt and user-turn tokens are False."""
-    logprobs: list[float]
-    """The server's logprob of each token (0.0 where loss_mask is False)."""
-    reward: float
-    """Reward of the whole episode."""
-    completion: str
-    """Everything after the prompt as text (user turns tagged), for logs."""
-    prompt: str = ""
-    """The messages before the first reply as text (roles tagged), for logs."""
-
-
-def training_samples(episode: "vf.Episode") -> tuple[list[Sample], str | None]:
-    """Samples of a train-client episode, one per trainable branch, and why it failed (None if it did not).
-
-    A failed episode gives no samples: its reward would be missing, not 0. A chat template that
-    rewrites earlier turns forks an episode into several branches, each its own sample.
+    A failed episode gives no rollouts: its reward would be missing, not 0. A chat template that
+    rewrites earlier turns forks an episode into several branches, each its own rollout. The other
+    arguments tag every rollout (see Rollout).
     """
     error = episode_error(episode)
     if error is not None:
         return [], error
-    samples = []
+    rollouts = []
     for trace in episode.traces:
         if not trace.agent.trainable:
             continue
@@ -346,14 +231,18 @@ def training_samples(episode: "vf.Episode") -> tuple[list[Sample], str | None]:
                 else f"[{m.role}] {m.content}"
                 for m in messages[first:]
             )
-            samples.append(
-                Sample(
+            rollouts.append(
+                Rollout(
                     token_ids=list(branch.token_ids),
                     loss_mask=list(branch.sampled_mask),
-                    logprobs=list(branch.logprobs),
+                    inference_logp=list(branch.logprobs),
                     reward=float(trace.reward),
+                    policy_version=policy_version,
+                    env=env,
                     completion=completion,
+                    task_id=task_id,
                     prompt="\n".join(f"[{m.role}] {m.content}" for m in messages[:first]),
+                    episode=episode_index,
                 )
             )
-    return samples, None
+    return rollouts, None

@@ -124,7 +124,7 @@ def load_trainable(
     import torch
 
     from lib import dist
-    from lib.data import use_packed_attention
+    from lib.packing import use_packed_attention
 
     # bf16 compute on CUDA over float32 master weights, unless float32 was asked for explicitly.
     bf16_compute = device.startswith("cuda") and model_config.dtype != "float32"

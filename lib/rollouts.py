@@ -173,25 +173,13 @@ class Producer:
             return
         group, num_episodes = [], 0
         for version, episode in episodes:
-            samples, error = envs.training_samples(episode)
+            rollouts, error = envs.training_samples(
+                episode, version, self.env_name, task_id(task.data), episode_index=num_episodes + 1
+            )
             if error:
                 self._error(error)
-            num_episodes += bool(samples)
-            group += [
-                Rollout(
-                    s.token_ids,
-                    s.loss_mask,
-                    s.logprobs,
-                    s.reward,
-                    version,
-                    self.env_name,
-                    completion=s.completion,
-                    episode=num_episodes,
-                    task_id=task_id(task.data),
-                    prompt=s.prompt,
-                )
-                for s in samples
-            ]
+            num_episodes += bool(rollouts)
+            group += rollouts
         if num_episodes < 2:  # a group of one episode (however many branches) has no advantage
             self._replace_failed_group()
             return

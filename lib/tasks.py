@@ -1,8 +1,13 @@
-"""Tasks of a taskset: ids resolved to a module, tasks drawn lazily by a plain index, and SFT conversations."""
+"""Tasksets: their config and arguments, ids resolved to a module, tasks drawn lazily by index, and SFT conversations."""
 
+import dataclasses
 import functools
 import importlib.util
+import json
+import os
+import socket
 import sys
+from urllib.parse import urlparse
 
 from lib.config import UserError
 
@@ -43,6 +48,102 @@ def task_id(data) -> str | None:
     if data.id is not None:
         return str(data.id)
     return None if data.idx is None else str(data.idx)
+
+
+def json_object(text: str, name: str) -> dict:
+    """`text` parsed as a JSON object; otherwise a one-sentence ValueError that names the setting."""
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise UserError(f"{name} is not valid JSON ({error.msg}): {text}") from None
+    if not isinstance(parsed, dict):
+        raise UserError(f"{name} must be a JSON object, got {text}.")
+    return parsed
+
+
+@dataclasses.dataclass
+class EnvConfig:
+    id: str = "reverse_text"
+    """Taskset id: reverse_text, alphabet_sort, plainrl_calculator, or any installed verifiers taskset."""
+    args: str = "{}"
+    """JSON object of taskset arguments, e.g. '{"min_turns": 3}'."""
+    num_examples: int = -1
+    """How many dataset examples to use (-1 = all the taskset provides; an endless one is drawn as needed)."""
+    seed: int = 0
+    """Seed of the dataset order and of synthetic data."""
+
+    def __post_init__(self):
+        json_object(self.args, "env.args")
+        if self.num_examples == 0 or self.num_examples < -1:
+            raise UserError("env.num_examples must be -1 (all) or positive.")
+
+    @property
+    def kwargs(self) -> dict:
+        return json_object(self.args, "env.args")
+
+
+def hub_reachable(timeout: float = 2.0) -> bool:
+    """Whether the Hugging Face hub answers a TCP connect within `timeout` seconds (offline machines fail fast)."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
+def hf_rows(taskset: str, dataset: str, split: str, source: str) -> list[dict] | None:
+    """The rows of a HF dataset, or None where a taskset should make synthetic data; says which on stderr.
+
+    source "hf" must load (errors propagate; with HF_HUB_OFFLINE=1 from the local cache), "synthetic"
+    never tries, "auto" tries only when the hub answers within 2 s and falls back to synthetic data on
+    any failure, naming the cause.
+    """
+    if source == "synthetic":
+        print(f"{taskset}: synthetic data (source=synthetic)", file=sys.stderr)
+        return None
+    if source == "auto" and not hub_reachable():
+        print(
+            f"{taskset}: the Hugging Face hub is unreachable or HF_HUB_OFFLINE is set: synthetic data instead of "
+            f"{dataset} (the argument source=hf loads a cached copy)",
+            file=sys.stderr,
+        )
+        return None
+    import datasets
+
+    try:
+        rows = list(datasets.load_dataset(dataset, split=split))
+    except Exception as error:  # any loading failure in auto mode means: fall back, and say why
+        if source == "hf":
+            raise
+        print(f"{taskset}: could not load {dataset} ({error}); synthetic data instead", file=sys.stderr)
+        return None
+    print(f"{taskset}: {len(rows)} rows of {dataset} ({split})", file=sys.stderr)
+    return rows
+
+
+def taskset_args(env: EnvConfig) -> dict:
+    """The taskset's arguments: env.args, plus env.seed and env.num_examples where the taskset has such fields.
+
+    A flat argument the taskset does not have but its task config does (upstream alphabet_sort keeps
+    `similarity_power` there) moves under "task", so both shapes reach the same field.
+    """
+    import verifiers.v1 as vf
+
+    config_type = vf.taskset_config_type(resolve_id(env.id))
+    fields = config_type.model_fields
+    args = env.kwargs
+    task_type = fields["task"].annotation if "task" in fields else None
+    task_fields = getattr(task_type, "model_fields", {})
+    for key in [key for key in args if key not in fields and key in task_fields]:
+        args.setdefault("task", {})[key] = args.pop(key)
+    if "seed" in fields:
+        args.setdefault("seed", env.seed)
+    if "num_examples" in fields and env.num_examples > 0:
+        args.setdefault("num_examples", env.num_examples)
+    return args
 
 
 class TaskStream:
@@ -107,7 +208,7 @@ def answer_conversation(data) -> list[dict]:
     return messages + [{"role": "assistant", "content": reference_answer(data)}]
 
 
-def sft_conversations(env) -> list:
+def sft_conversations(env: EnvConfig) -> list:
     """Conversations that end with the ideal assistant answers, from a taskset that knows them.
 
     A taskset module may provide `reference_conversation(task_data) -> list[dict]` (plainrl's do), and
@@ -116,8 +217,6 @@ def sft_conversations(env) -> list:
     """
     import verifiers.v1 as vf
     from verifiers.v1.utils.loaders import import_taskset
-
-    from lib.envs import taskset_args
 
     env_id = resolve_id(env.id)
     try:

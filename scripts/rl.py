@@ -119,7 +119,6 @@ def main(cfg: Config) -> dict:
     import torch
 
     from lib import dist, envs, inference, sync
-    from lib.buffer import pack
     from lib.checkpoint import drop_newer, load_checkpoint, open_run, save_checkpoint, save_weights
     from lib.config import to_dict
     from lib.evaluation import Evaluator, split_held_out
@@ -127,6 +126,7 @@ def main(cfg: Config) -> dict:
     from lib.loss import entropy, policy_loss, token_logp, token_share
     from lib.model import check_model_name, load_tokenizer, load_trainable, resolve_device
     from lib.optim import build_optimizer
+    from lib.packing import rl_micro_batches
     from lib.plot import eval_points, plot_curve
     from lib.provenance import write_provenance
     from lib.rollouts import Producer, write_records
@@ -311,7 +311,7 @@ def main(cfg: Config) -> dict:
                         f"WARNING step {step + 1}: dropped {len(batch.rollouts) - len(fitting)} rollouts longer "
                         f"than seq_len {cfg.seq_len} (rollouts/too_long)"
                     )
-                micro_batches = pack(
+                micro_batches = rl_micro_batches(
                     fitting,
                     cfg.seq_len,
                     cfg.micro_batch_size,

@@ -99,16 +99,11 @@ def main(cfg: Config) -> dict:
     from lib import dist
     from lib.checkpoint import load_checkpoint, open_run, save_checkpoint, save_weights
     from lib.config import to_dict
-    from lib.data import (
-        IGNORE,
-        batch_indices,
-        load_conversations,
-        make_rows,
-        tokenize_all,
-    )
+    from lib.data import batch_indices, load_conversations, tokenize_all
     from lib.log import RunLog
     from lib.model import check_model_name, load_tokenizer, load_trainable, resolve_device
     from lib.optim import build_optimizer
+    from lib.packing import IGNORE, sft_rows
     from lib.plot import plot_curve
     from lib.provenance import write_provenance
 
@@ -178,7 +173,7 @@ def main(cfg: Config) -> dict:
             mine = batch[rank * per_rank : (rank + 1) * per_rank]
             loss_sum = 0.0
             for first in range(0, per_rank, cfg.micro_batch_size):
-                rows = make_rows(
+                rows = sft_rows(
                     mine[first : first + cfg.micro_batch_size],
                     cfg.seq_len,
                     cfg.packing,

@@ -39,7 +39,15 @@ def cached_sft(name: str, tiny_dir: Path, made_by: list[str], args: list[str], s
 
     from lib.config import parse
 
-    made_by = ["lib/tiny.py", "lib/data.py", "lib/model.py", "lib/optim.py", "scripts/sft.py", *made_by]
+    made_by = [
+        "lib/tiny.py",
+        "lib/data.py",
+        "lib/packing.py",
+        "lib/model.py",
+        "lib/optim.py",
+        "scripts/sft.py",
+        *made_by,
+    ]
     content = b"".join((ROOT / name).read_bytes() for name in made_by) + " ".join(args).encode()
     out = ROOT / "outputs" / "test-cache" / f"{name}-{hashlib.sha256(content).hexdigest()[:16]}"
     weights = out / "weights" / f"step_{steps}"

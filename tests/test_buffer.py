@@ -1,12 +1,10 @@
-"""Buffer: group advantages, flat and stale groups dropped, waiting for the producer, packing into rows."""
+"""Buffer: group advantages, flat and stale groups dropped, waiting for the producer."""
 
 import asyncio
-import random
 
 import pytest
-import torch
 
-from lib.buffer import Buffer, Rollout, group_advantages, is_flat, pack
+from lib.buffer import Buffer, Rollout, group_advantages, is_flat
 
 
 def rollout(reward, version=0, length=4, first_token=0):
@@ -86,89 +84,3 @@ def test_take_waits_for_the_producer_and_says_how_long():
     batch = asyncio.run(run())
     assert len(batch.rollouts) == 4
     assert 0.08 < batch.wait_seconds < 2
-
-
-@pytest.mark.parametrize("packing", [True, False])
-def test_pack_places_every_token_once_with_restarting_positions(packing):
-    rng = random.Random(0)
-    samples = []
-    for i in range(23):
-        length = rng.randint(2, 40)
-        mask = [False] + [rng.random() < 0.7 for _ in range(length - 1)]
-        samples.append(
-            Rollout(
-                token_ids=[1000 * (i + 1) + j for j in range(length)],  # token -> (sample, offset)
-                loss_mask=mask,
-                inference_logp=[-0.01 * j for j in range(length)],
-                reward=0.0,
-                policy_version=0,
-                advantage=float(i),
-            )
-        )
-    micro_batches = pack(
-        samples,
-        seq_len=64,
-        rows_per_micro_batch=3,
-        pad_token_id=-1,
-        num_micro_batches_multiple=2,
-        packing=packing,
-    )
-    assert len(micro_batches) % 2 == 0
-    if not packing:  # a row per sample, longest first
-        firsts = [int(ids[0]) for mb in micro_batches for ids in mb.input_ids if int(ids[0]) != -1]
-        assert sorted(firsts) == [1000 * (i + 1) for i in range(23)]
-        widths = [len(samples[f // 1000 - 1].token_ids) for f in firsts]
-        assert widths == sorted(widths, reverse=True)
-
-    seen = {}
-    for mb in micro_batches:
-        rows, width = mb.input_ids.shape
-        assert rows <= 3 and width <= 64
-        assert not mb.loss_mask[mb.input_ids == -1].any()
-        for row in range(rows):
-            for t in range(width):
-                token = int(mb.input_ids[row, t])
-                if token == -1:
-                    # Padding counts from 0, so it is a sequence of its own, never a continuation.
-                    previous_is_padding = t > 0 and int(mb.input_ids[row, t - 1]) == -1
-                    expected_position = int(mb.position_ids[row, t - 1]) + 1 if previous_is_padding else 0
-                    assert int(mb.position_ids[row, t]) == expected_position
-                    continue
-                i, j = divmod(token, 1000)
-                i -= 1
-                assert token not in seen, "a token landed twice"
-                seen[token] = True
-                assert int(mb.position_ids[row, t]) == j  # positions restart at each sample
-                assert bool(mb.loss_mask[row, t]) == samples[i].loss_mask[j]
-                expected_logp = -0.01 * j if samples[i].loss_mask[j] else 0.0
-                assert mb.inference_logp[row, t].item() == pytest.approx(expected_logp)
-                assert mb.advantages[row, t].item() == i
-    assert len(seen) == sum(len(s.token_ids) for s in samples)
-    assert sum(mb.num_loss_tokens() for mb in micro_batches) == sum(sum(s.loss_mask) for s in samples)
-
-
-def test_pack_rejects_a_rollout_longer_than_a_row():
-    with pytest.raises(ValueError, match="does not fit in seq_len 8"):
-        pack([rollout(0.0, length=9)], seq_len=8)
-
-
-def test_packed_row_gives_the_same_logprobs_as_separate_forwards(tiny_dir):
-    from transformers import AutoModelForCausalLM
-
-    from lib.loss import token_logp
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
-    samples = [rollout(0.0, length=n, first_token=f) for n, f in ((7, 10), (5, 30), (9, 50))]
-    (mb,) = pack(samples, seq_len=32, rows_per_micro_batch=1)
-    with torch.no_grad():
-        packed = token_logp(
-            model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits, mb.input_ids
-        )
-        expected = {}
-        for s in samples:
-            ids = torch.tensor([s.token_ids])
-            for j, value in enumerate(token_logp(model(input_ids=ids).logits, ids)[0].tolist()):
-                expected[s.token_ids[j]] = value
-    for t, token in enumerate(mb.input_ids[0].tolist()):
-        if mb.loss_mask[0, t]:  # the first token of each sample has no context of its own
-            assert packed[0, t].item() == pytest.approx(expected[token], abs=1e-5)

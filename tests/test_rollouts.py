@@ -8,7 +8,7 @@ import types
 import pytest
 
 import lib.rollouts
-from lib import envs
+from lib.buffer import Rollout
 from lib.rollouts import Producer
 
 
@@ -28,12 +28,15 @@ def fake_env(monkeypatch):
         n = task["episodes"] - 1
         return task, rewards[n % len(rewards)], branches[n % len(branches)]
 
-    def training_samples(episode):
+    def training_samples(episode, policy_version, env, task_id, episode_index):
         task, reward, branches = episode
         if reward is None:
             return [], "the episode failed"
-        sample = envs.Sample([1, 2, 3], [False, True, True], [0.0, -1.0, -1.0], reward, str(task["id"]))
-        return [sample] * branches, None
+        rollout = Rollout(
+            [1, 2, 3], [False, True, True], [0.0, -1.0, -1.0], reward, policy_version, env, str(task["id"]),
+            task_id, episode=episode_index,
+        )  # fmt: skip
+        return [rollout] * branches, None
 
     monkeypatch.setattr(lib.rollouts.envs, "serving", serving)
     monkeypatch.setattr(lib.rollouts.envs, "run_episode", run_episode)

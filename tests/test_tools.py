@@ -152,7 +152,7 @@ def check_round_trip(episode, conversation: dict, train: bool, tokenizer) -> Non
         )
         assert trained == f"{call}<|im_end|>{answer}<|im_end|>"
         assert "<tool_response>" in untrained and "<tool_response>" not in trained
-        assert all((lp != 0.0) == m for lp, m in zip(sample.logprobs, sample.loss_mask))
+        assert all((lp != 0.0) == m for lp, m in zip(sample.inference_logp, sample.loss_mask))
 
 
 @pytest.mark.parametrize("train", [False, True])

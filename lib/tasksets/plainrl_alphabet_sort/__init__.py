@@ -9,7 +9,7 @@ import verifiers.v1 as vf
 from pydantic import model_validator
 
 from lib.config import UserError
-from lib.envs import hf_rows
+from lib.tasks import hf_rows
 
 NUM_SYNTHETIC = 1000
 MAX_SYNTHETIC_NAMES = 300  # max_turns x max_names_per_turn; faker has ~700 distinct first names

@@ -9,7 +9,7 @@ import verifiers.v1 as vf
 from pydantic import model_validator
 
 from lib.config import UserError
-from lib.envs import hf_rows
+from lib.tasks import hf_rows
 
 SYSTEM_PROMPT = "Reverse the text character-by-character. Put your answer in <reversed_text> tags."
 ANSWER = re.compile(r"<reversed_text>(.*?)</reversed_text>", re.DOTALL)

@@ -1,0 +1,169 @@
+"""Packing: first-fit rows, SFT rows and RL micro-batches from one row builder, attention within each sequence."""
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_data import reverse_conversation
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lib.buffer import Rollout
+from lib.data import tokenize_all
+from lib.packing import IGNORE, first_fit, rl_micro_batches, sft_rows, use_packed_attention
+
+TEXTS = ["hello world", "a", "plain pytorch scripts", "ok then", "reverse me please!", "xyz", "the end"]
+
+
+def rollout(length: int, first_token: int) -> Rollout:
+    return Rollout(
+        token_ids=list(range(first_token, first_token + length)),
+        loss_mask=[False] + [True] * (length - 1),
+        inference_logp=[0.0] + [-0.5] * (length - 1),
+        reward=0.0,
+        policy_version=0,
+    )
+
+
+def test_sft_rows_restart_positions_and_never_predict_across_samples():
+    samples = [([1, 2, 3], [0, 1, 1]), ([4, 5], [0, 1]), ([6, 7, 8, 9], [0, 0, 1, 1])]
+    assert sorted(map(sorted, first_fit([3, 2, 4], seq_len=6))) == [[0], [1, 2]]  # first fit, longest first
+    input_ids, position_ids, targets = sft_rows(samples, seq_len=6, packing=True, pad_id=0)
+    assert input_ids.tolist() == [[6, 7, 8, 9, 4, 5], [1, 2, 3, 0, 0, 0]]
+    assert position_ids.tolist() == [[0, 1, 2, 3, 0, 1], [0, 1, 2, 3, 4, 5]]
+    assert targets.tolist() == [[IGNORE, 8, 9, IGNORE, 5, IGNORE], [2, 3, IGNORE, IGNORE, IGNORE, IGNORE]]
+    unpacked = sft_rows(samples, seq_len=6, packing=False, pad_id=0)
+    assert unpacked[0].shape == (3, 4) and unpacked[1][1].tolist() == [0, 1, 2, 3]  # padding continues
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "packed"])
+def test_packed_loss_equals_unpacked_loss(tiny_dir, attention):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    unpacked_model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    if attention == "packed":
+        use_packed_attention(model)
+    samples, _ = tokenize_all(tokenizer, [reverse_conversation(t) for t in TEXTS], seq_len=512)
+
+    def loss_and_grad(model, packing):
+        model.zero_grad()
+        input_ids, position_ids, targets = sft_rows(samples, 160, packing, tokenizer.pad_token_id)
+        logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+        loss.backward()
+        return loss.item(), input_ids.shape, model.model.embed_tokens.weight.grad.clone()
+
+    packed_loss, packed_shape, packed_grad = loss_and_grad(model, True)
+    loss, shape, grad = loss_and_grad(unpacked_model, False)
+    assert packed_shape[0] < shape[0] == len(TEXTS)  # several samples really share rows
+    assert packed_loss == pytest.approx(loss, rel=1e-5)
+    torch.testing.assert_close(packed_grad, grad, rtol=1e-4, atol=1e-6)
+
+
+def test_packed_attention_finds_sample_boundaries_once_per_forward(tiny_dir, monkeypatch):
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+    use_packed_attention(model)
+    assert model.config.num_hidden_layers >= 2
+    calls, diff = [], torch.diff
+
+    def counting_diff(*args, **kwargs):
+        calls.append(1)
+        return diff(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "diff", counting_diff)
+    samples = [([5, 6, 7, 8], [0, 1, 1, 1]), ([9, 10, 11], [0, 1, 1]), ([12, 13], [0, 1])]
+    input_ids, position_ids, _ = sft_rows(samples, seq_len=9, packing=True, pad_id=0)
+    with torch.no_grad():
+        packed = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+        assert len(calls) == 1, f"boundaries computed {len(calls)} times in one forward"
+        offset = 0
+        for ids, _ in sorted(samples, key=lambda s: -len(s[0])):  # the row's order: longest first
+            alone = model(input_ids=torch.tensor([ids]), use_cache=False).logits
+            torch.testing.assert_close(packed[:, offset : offset + len(ids)], alone, rtol=1e-5, atol=1e-5)
+            offset += len(ids)
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_rl_micro_batches_place_every_token_once_with_restarting_positions(packing):
+    rng = random.Random(0)
+    samples = []
+    for i in range(23):
+        length = rng.randint(2, 40)
+        mask = [False] + [rng.random() < 0.7 for _ in range(length - 1)]
+        samples.append(
+            Rollout(
+                token_ids=[1000 * (i + 1) + j for j in range(length)],  # token -> (sample, offset)
+                loss_mask=mask,
+                inference_logp=[-0.01 * j for j in range(length)],
+                reward=0.0,
+                policy_version=0,
+                advantage=float(i),
+            )
+        )
+    micro_batches = rl_micro_batches(
+        samples,
+        seq_len=64,
+        rows_per_micro_batch=3,
+        pad_token_id=-1,
+        num_micro_batches_multiple=2,
+        packing=packing,
+    )
+    assert len(micro_batches) % 2 == 0
+    if not packing:  # a row per sample, longest first
+        firsts = [int(ids[0]) for mb in micro_batches for ids in mb.input_ids if int(ids[0]) != -1]
+        assert sorted(firsts) == [1000 * (i + 1) for i in range(23)]
+        widths = [len(samples[f // 1000 - 1].token_ids) for f in firsts]
+        assert widths == sorted(widths, reverse=True)
+
+    seen = {}
+    for mb in micro_batches:
+        rows, width = mb.input_ids.shape
+        assert rows <= 3 and width <= 64
+        assert not mb.loss_mask[mb.input_ids == -1].any()
+        for row in range(rows):
+            for t in range(width):
+                token = int(mb.input_ids[row, t])
+                if token == -1:
+                    # Padding continues the row's last position (a row of one rollout stays plain causal);
+                    # an empty micro-batch is one padding token at position 0.
+                    expected_position = int(mb.position_ids[row, t - 1]) + 1 if t > 0 else 0
+                    assert int(mb.position_ids[row, t]) == expected_position
+                    continue
+                i, j = divmod(token, 1000)
+                i -= 1
+                assert token not in seen, "a token landed twice"
+                seen[token] = True
+                assert int(mb.position_ids[row, t]) == j  # positions restart at each sample
+                assert bool(mb.loss_mask[row, t]) == samples[i].loss_mask[j]
+                expected_logp = -0.01 * j if samples[i].loss_mask[j] else 0.0
+                assert mb.inference_logp[row, t].item() == pytest.approx(expected_logp)
+                assert mb.advantages[row, t].item() == i
+    assert len(seen) == sum(len(s.token_ids) for s in samples)
+    assert sum(mb.num_loss_tokens() for mb in micro_batches) == sum(sum(s.loss_mask) for s in samples)
+
+
+def test_rl_micro_batches_reject_a_rollout_longer_than_a_row():
+    with pytest.raises(ValueError, match="does not fit in seq_len 8"):
+        rl_micro_batches([rollout(length=9, first_token=0)], seq_len=8)
+
+
+def test_packed_row_gives_the_same_logprobs_as_separate_forwards(tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    from lib.loss import token_logp
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+    samples = [rollout(length=n, first_token=f) for n, f in ((7, 10), (5, 30), (9, 50))]
+    (mb,) = rl_micro_batches(samples, seq_len=32, rows_per_micro_batch=1)
+    with torch.no_grad():
+        packed = token_logp(
+            model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits, mb.input_ids
+        )
+        expected = {}
+        for s in samples:
+            ids = torch.tensor([s.token_ids])
+            for j, value in enumerate(token_logp(model(input_ids=ids).logits, ids)[0].tolist()):
+                expected[s.token_ids[j]] = value
+    for t, token in enumerate(mb.input_ids[0].tolist()):
+        if mb.loss_mask[0, t]:  # the first token of each sample has no context of its own
+            assert packed[0, t].item() == pytest.approx(expected[token], abs=1e-5)
