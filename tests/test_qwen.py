@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from conftest import load_script
 from renderers.configs import Qwen3RendererConfig
 from renderers.qwen3 import Qwen3Renderer
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -14,7 +15,6 @@ from lib.config import UserError
 from lib.qwen import QwenConfig, build_tokenizer, model_config, write_qwen
 from lib.sampling import SamplingConfig
 from lib.tiny import write_tiny
-from tests.conftest import load_script
 
 EMPTY_THINKING = [151667, 271, 151668, 271]  # "<think>", "\n\n", "</think>", "\n\n"
 
