@@ -141,3 +141,25 @@ def test_start_server_reports_a_server_that_dies(tmp_path):
 
     with pytest.raises(RuntimeError, match="exited with code"):
         start_server(str(tmp_path / "no_model_here"), engine="torch", log_path=tmp_path / "server.log")
+
+
+def test_held_out_tasks_of_an_upstream_taskset_are_kept_apart_by_idx(monkeypatch):
+    """Upstream tasksets set `idx` but no `id`: the split goes by the task id the producer records
+    (before, every id was None and rl.py's --eval.every refused them as not unique)."""
+    from types import SimpleNamespace
+
+    from lib.envs import load_env, load_tasks
+    from lib.evaluation import split_held_out
+
+    monkeypatch.syspath_prepend(str(FIXTURES))
+    env = EnvConfig(id="upstream_taskset", num_examples=6)  # endless, bounded to 6
+    tasks = list(load_tasks(load_env(env), env))
+    assert {task.data.id for task in tasks} == {None}
+    train, held_out = split_held_out(tasks, 2)
+    assert [task.data.idx for task in train] == [0, 1, 2, 3] and [task.data.idx for task in held_out] == [
+        4,
+        5,
+    ]
+    repeated = [SimpleNamespace(data=SimpleNamespace(id=None, idx=i % 3)) for i in range(6)]
+    with pytest.raises(ValueError, match=r"task ids are not unique.*\['0', '1', '2'\]"):
+        split_held_out(repeated, 3)
