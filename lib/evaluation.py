@@ -9,6 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lib.config import UserError
+from lib.inference import HEALTH_EVERY_S, check_servers
+from lib.tasks import task_id
 
 
 @dataclasses.dataclass
@@ -34,16 +36,17 @@ class EvalConfig:
 
 
 def split_held_out(tasks: list, num_held_out: int) -> tuple[list, list]:
-    """(training tasks, held-out tasks): the last num_held_out are held out, disjoint by task id."""
+    """(training tasks, held-out tasks): the last num_held_out are held out, disjoint by task id (the one
+    the producer records: `id`, else `idx` as upstream tasksets set it)."""
     if num_held_out >= len(tasks):
         raise UserError(
             f"eval.num_examples {num_held_out} leaves no training examples of the {len(tasks)} the env has."
         )
     train, held_out = tasks[:-num_held_out], tasks[-num_held_out:]
-    shared = {t.data.id for t in train} & {t.data.id for t in held_out}
+    shared = {task_id(t.data) for t in train} & {task_id(t.data) for t in held_out}
     if shared:
         raise UserError(
-            f"the env's task ids are not unique, so held-out tasks cannot be kept apart: {sorted(shared)[:3]}."
+            f"the env's task ids are not unique, so held-out tasks cannot be kept apart: {sorted(shared, key=str)[:3]}."
         )
     return train, held_out
 
@@ -58,7 +61,6 @@ def pass_at_k(num_rollouts: int, num_correct: int, k: int) -> float:
 def record(example: int, rollout: int, episode) -> dict:
     """One results.jsonl line: the whole conversation, the reward, its parts, tokens and any error."""
     from lib.envs import episode_error, episode_reward
-    from lib.tasks import task_id
 
     trace = episode.traces[-1] if episode.traces else None
     messages = [{"role": m.role, "content": m.content} for m in trace.messages] if trace else []
@@ -139,6 +141,21 @@ async def run_all(
     return sorted(records, key=lambda line: (line["example"], line["rollout"]))
 
 
+async def while_healthy(work, base_url: str, api_key: str | None):
+    """Awaits the coroutine `work`, checking the server's /health every HEALTH_EVERY_S: the verifiers
+    client has no read timeout, so a server that dies or freezes would leave `work` waiting forever;
+    check_servers' one sentence ends it instead."""
+    running = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({running}, timeout=HEALTH_EVERY_S)
+            if done:
+                return running.result()
+            await asyncio.to_thread(check_servers, [base_url], api_key)
+    finally:
+        running.cancel()
+
+
 class Evaluator:
     """rl.py's evaluations of the held-out tasks on whatever weights the server at base_url holds:
     eval.py's client, records and summary; sampled (pass@k over rollouts_per_example) and greedy."""
@@ -169,9 +186,10 @@ class Evaluator:
         for name, settings, rollouts in runs:
             ctx = model_context(self.base_url, self.model, settings, self.api_key)
             with open(out / f"{name}.jsonl", "w") as results:
-                records = asyncio.run(
-                    run_all(self.vf_env, self.tasks, ctx, rollouts, self.cfg.max_concurrent, results=results)
+                work = run_all(
+                    self.vf_env, self.tasks, ctx, rollouts, self.cfg.max_concurrent, results=results
                 )
+                records = asyncio.run(while_healthy(work, self.base_url, self.api_key))
             summary = summarize(records, rollouts)
             if name == "greedy":
                 metrics["eval/reward_greedy"] = summary["avg_reward"]

@@ -1,26 +1,4 @@
-"""Weight sync from the controller's side: make every server load weights/step_N, and check it serves them.
-
-One policy for a server that cannot take new weights or stops answering: the run stops at once with
-one sentence naming the server and the likely cause (rl.py's checkpoints stay as they were, so
-`--resume` continues from the last one once the server is fixed). No restart behind the user's back: a
-server that fails to load a directory would fail again on the same directory.
-
-Each reload: POST /pause?mode=MODE, /collective_rpc reload_weights, /update_weight_version with the label
-"step_N" (vLLM 0.32 then reports it in every /inference/v1/generate choice as `weight_versions`, one span
-per label; the builtin engine does the same), /reset_prefix_cache?reset_running_requests=true, and
-/resume, which is sent to every server still answering even when the reload failed, so nothing stays
-paused (an eval attached to the server would hang). MODE wait: the pause returns once in-flight requests
-have finished on the old weights. MODE keep: it returns at once; in-flight requests are held and go on
-under the new weights after /resume (their later tokens carry the new label and the new policy's
-logprobs, which the loss uses per token). KV that old weights computed must not survive: vLLM keeps
-prefix-cached blocks that held requests still use, so a plain /reset_prefix_cache answers success false
-and drops nothing (when the pause did not clear the cache); reset_running_requests=true preempts the
-held requests, which recompute their prompt and tokens so far under the new weights. plainrl sends it,
-and stops when a server answers success false. Then a probe: each server samples a few tokens of a
-fixed prompt at temperature 0.5, and the trainer scores them; the label must be the new one and the mean
-logprob difference small. That also catches, at the start of a run, a server with another model, dtype,
-chat template or logprobs mode (raw logprobs differ from the tempered ones the probe asks for).
-"""
+"""Weight sync from the controller's side: make every server load weights/step_N, and check it serves them."""
 
 import dataclasses
 import threading
@@ -95,23 +73,40 @@ def check_weights_dir(directory: Path) -> None:
 def reload_weights(
     urls: list[str], directory: Path, api_key: str | None, label: str, pause_mode: str = "wait"
 ) -> None:
-    """Makes every server serve `directory` under the label `label`, pausing it with `pause_mode` (wait or
-    keep, see the module docstring)."""
+    """Makes every server serve `directory` under the label `label`, pausing it with `pause_mode`.
+
+    A server that cannot take the weights or stops answering stops the run at once with one sentence
+    naming it and the likely cause; rl.py's checkpoints stay as they were, so `--resume` continues once
+    the server is fixed. No restart behind the user's back: a server that fails to load a directory
+    would fail again on the same directory.
+
+    pause_mode wait: /pause returns once in-flight requests have finished on the old weights. keep: it
+    returns at once; in-flight requests are held and go on under the new weights after /resume (their
+    later tokens carry the new label and the new policy's logprobs, which the loss uses per token)."""
     assert pause_mode in ("wait", "keep"), f"unknown pause mode {pause_mode!r}"
     directory = Path(directory).resolve()
     check_weights_dir(directory)
     rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(directory)}}
     with httpx.Client(headers=headers(api_key)) as http:
         for url in urls:
-            post(http, url, f"/pause?mode={pause_mode}")
+            # /resume goes to every server still answering whatever failed, the /pause itself included
+            # (a pause that timed out on the client may still take effect on the server): a server left
+            # paused would hold every later request, an attached eval's too, forever.
             try:
+                post(http, url, f"/pause?mode={pause_mode}")
                 try:
                     post(http, url, "/collective_rpc", json=rpc)
                 except ValueError as error:
                     raise UserError(
                         f"{error}; the server could not load {directory}: {likely_cause(url, directory)}"
                     ) from None
+                # vLLM 0.32 reports the label in every /inference/v1/generate choice as `weight_versions`,
+                # one span per label; the builtin engine does the same.
                 post(http, url, "/update_weight_version", json={"new_version": label})
+                # KV that old weights computed must not survive. vLLM keeps prefix-cached blocks that held
+                # requests still use, so a plain /reset_prefix_cache answers success false and drops
+                # nothing; reset_running_requests=true preempts the held requests, which recompute their
+                # prompt and tokens so far under the new weights.
                 reset = post(http, url, "/reset_prefix_cache?reset_running_requests=true")
                 if not reset.get("success"):
                     raise UserError(
@@ -138,7 +133,11 @@ class Probe:
 
 
 def probe(url: str, model: str, prompt_ids: list[int], api_key: str | None) -> Probe:
-    """PROBE_TOKENS tokens of `prompt_ids`, sampled at PROBE_TEMPERATURE with a fixed seed, and their logprobs."""
+    """PROBE_TOKENS tokens of `prompt_ids`, sampled at PROBE_TEMPERATURE with a fixed seed, and their logprobs.
+
+    The trainer scores the same tokens (compare): the label must be the new one and the mean logprob
+    difference small. That also catches, at the start of a run, a server with another model, dtype, chat
+    template or logprobs mode (raw logprobs differ from the tempered ones the probe asks for)."""
     params = {"max_tokens": PROBE_TOKENS, "temperature": PROBE_TEMPERATURE, "logprobs": 0, "seed": 0}
     body = {"model": model, "token_ids": prompt_ids, "sampling_params": params | {"ignore_eos": True}}
     with httpx.Client(headers=headers(api_key)) as http:

@@ -141,3 +141,62 @@ def test_start_server_reports_a_server_that_dies(tmp_path):
 
     with pytest.raises(RuntimeError, match="exited with code"):
         start_server(str(tmp_path / "no_model_here"), engine="torch", log_path=tmp_path / "server.log")
+
+
+def test_eval_refuses_an_endless_taskset_without_n(eval_script, capsys, tmp_path):
+    cfg = eval_script.Config(
+        env="plainrl_calculator", num_examples=-1, base_url="http://127.0.0.1:9/v1", output_dir=tmp_path
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        eval_script.main(cfg)
+    assert exit_info.value.code == 2
+    assert (
+        "plainrl_calculator is endless: give the number of examples to evaluate with -n."
+        in capsys.readouterr().err
+    )
+    assert list(tmp_path.iterdir()) == []  # a refused run leaves no run directory behind
+
+
+def test_eval_of_an_upstream_shaped_taskset_records_task_ids_from_idx(
+    eval_script, tiny_dir, tmp_path, monkeypatch
+):
+    from transformers import AutoTokenizer
+
+    monkeypatch.syspath_prepend(str(FIXTURES))
+    conversations = sft_conversations(EnvConfig(id="upstream_taskset", num_examples=3))
+    with serve(oracle_app(conversations, AutoTokenizer.from_pretrained(tiny_dir))) as url:
+        cfg = eval_script.Config(
+            env="upstream_taskset",
+            num_examples=3,
+            rollouts_per_example=2,
+            base_url=url,
+            output_dir=tmp_path,
+            name="up",
+        )
+        cfg.model.name = "oracle"
+        summary = eval_script.main(cfg)
+    assert summary["avg_reward"] == 1.0 and summary["num_errors"] == 0
+    records = [json.loads(line) for line in (tmp_path / "up" / "results.jsonl").read_text().splitlines()]
+    assert [r["task_id"] for r in records] == ["0", "0", "1", "1", "2", "2"]
+
+
+def test_held_out_tasks_of_an_upstream_taskset_are_kept_apart_by_idx(monkeypatch):
+    """Upstream tasksets set `idx` but no `id`: the split goes by the task id the producer records
+    (before, every id was None and rl.py's --eval.every refused them as not unique)."""
+    from types import SimpleNamespace
+
+    from lib.envs import load_env, load_tasks
+    from lib.evaluation import split_held_out
+
+    monkeypatch.syspath_prepend(str(FIXTURES))
+    env = EnvConfig(id="upstream_taskset", num_examples=6)  # endless, bounded to 6
+    tasks = list(load_tasks(load_env(env), env))
+    assert {task.data.id for task in tasks} == {None}
+    train, held_out = split_held_out(tasks, 2)
+    assert [task.data.idx for task in train] == [0, 1, 2, 3] and [task.data.idx for task in held_out] == [
+        4,
+        5,
+    ]
+    repeated = [SimpleNamespace(data=SimpleNamespace(id=None, idx=i % 3)) for i in range(6)]
+    with pytest.raises(ValueError, match=r"task ids are not unique.*\['0', '1', '2'\]"):
+        split_held_out(repeated, 3)

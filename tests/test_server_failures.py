@@ -1,6 +1,6 @@
 """rl.py when a server fails, on both engines alike: one that cannot see the run directory stops the run
-before training; one that is killed, or frozen (SIGSTOP), mid-run ends it within seconds with one
-sentence; `--resume` then continues from the last checkpoint.
+before training; one that is killed, or frozen (SIGSTOP), mid-run or in an evaluation, ends it within
+seconds with one sentence; `--resume` then continues from the last checkpoint.
 
 The servers run in a mount namespace of their own in which the directory `hidden/` is an empty tmpfs,
 as a server on another machine would see a run directory that is not on a shared file system.
@@ -122,6 +122,26 @@ def test_a_frozen_server_ends_the_run_in_seconds_and_resume_continues(hidden_ser
     result = resume(trained_tiny, out, server.url, checkpoint + 2)
     assert len(result["history"]) == 2 and (out / "checkpoints" / f"step_{checkpoint + 2}").is_dir()
     assert f"resumed from {out / 'checkpoints' / f'step_{checkpoint}'}" in capsys.readouterr().out
+
+
+def test_a_server_frozen_during_an_evaluation_ends_the_run_in_seconds(hidden_server, trained_tiny):
+    """The verifiers client has no read timeout: only the evaluation's own health checks end it."""
+    server, root = hidden_server
+    out = root / "frozen-eval"
+    evaluation = ["--eval.every", "3", "--eval.num-examples", "4", "--eval.rollouts-per-example", "4"]
+    freeze = lambda: os.killpg(server.process.pid, signal.SIGSTOP)  # noqa: E731
+    try:
+        sentence, seconds = run_until_failure(
+            run_args(trained_tiny, out, server.url, *evaluation), out / "eval" / "step_3", freeze
+        )
+    finally:
+        os.killpg(server.process.pid, signal.SIGCONT)
+    assert "did not answer" in sentence and "frozen" in sentence, sentence
+    assert seconds < NOTICE_S, seconds
+    # It ended inside step 3's evaluation: 16 sampled and 4 greedy records make a finished one.
+    records = sum(len(path.read_text().splitlines()) for path in (out / "eval" / "step_3").glob("*.jsonl"))
+    assert records < 16 + 4 and last_checkpoint(out) == 2, records
+    print(f"\nserver frozen in an evaluation: the run ended {seconds:.1f} s after SIGSTOP: {sentence}")
 
 
 def test_a_server_that_cannot_see_the_run_directory_stops_it_before_training(hidden_server, trained_tiny):

@@ -3,6 +3,7 @@ the probe's verdicts, rollouts too long for a training row, the weights' label."
 
 import shutil
 import sys
+import time
 
 import httpx
 import pytest
@@ -35,6 +36,34 @@ def test_a_failed_reload_resumes_the_server_and_names_it_and_the_directory(serve
     # Before, the server stayed paused: every request after it (an attached eval) waited forever.
     assert httpx.get(inference.root_url(running.url) + "/is_paused").json() == {"is_paused": False}
     assert inference.is_healthy(running.url)
+
+
+def test_a_pause_that_times_out_still_resumes_the_server(server, tiny_dir, monkeypatch):
+    """/pause?mode=wait behind a long completion outlasts the client's timeout, but the server paused all the
+    same: reload_weights must send it /resume, or every later request (an attached eval's) waits forever."""
+    import threading
+
+    running, root = server
+    weights = shutil.copytree(tiny_dir, root / "weights" / "step_5", dirs_exist_ok=True)
+    params = {"max_tokens": 200, "temperature": 1.0, "ignore_eos": True, "seed": 0}
+    body = {"model": inference.served_model(running.url), "token_ids": [5, 6, 7], "sampling_params": params}
+    generate_url = inference.root_url(running.url) + "/inference/v1/generate"
+    long = threading.Thread(target=lambda: httpx.post(generate_url, json=body, timeout=300))
+    long.start()
+    time.sleep(0.5)  # the completion is decoding
+    post = sync.post
+
+    def impatient_pause(http, url, path, **kwargs):
+        return post(http, url, path, **(kwargs | {"timeout": 1.0} if path.startswith("/pause") else kwargs))
+
+    monkeypatch.setattr(sync, "post", impatient_pause)
+    with pytest.raises(ValueError, match=r"did not answer /pause\?mode=wait within 1 s"):
+        sync.reload_weights([running.url], weights, None, "step_5")
+    monkeypatch.undo()
+    assert httpx.get(inference.root_url(running.url) + "/is_paused").json() == {"is_paused": False}
+    long.join()
+    probe = sync.probe(running.url, inference.served_model(running.url), [5, 6, 7, 8], None)
+    assert len(probe.completion_ids) == sync.PROBE_TOKENS  # and it answers
 
 
 def test_a_reload_labels_the_weights_and_the_probe_reports_the_label(server, tiny_dir):

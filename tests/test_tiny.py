@@ -1,5 +1,6 @@
-"""The tiny model: Hugging Face round trip, determinism, build time and a prefix-stable chat template."""
+"""The tiny model: Hugging Face round trip, determinism, build time and a prefix-stable chat template (tools too)."""
 
+import json
 import time
 
 import torch
@@ -71,3 +72,34 @@ def test_chat_template_is_prefix_stable_over_three_turns(tiny_dir):
     assert full[: len(prompt)] == prompt and full[len(prompt) : len(prompt) + len(reply)] == reply
     text = tokenizer.apply_chat_template(conversation[:2], tokenize=False, add_generation_prompt=True)
     assert text.endswith("<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_tiny_template_renders_tools_calls_and_results_turn_by_turn(tiny_dir):
+    import plainrl_calculator as calc
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    data = calc.CalculatorData(prompt="What is 3*4?", system_prompt="S", expression="3*4", answer="12")
+    messages, tools = calc.reference_conversation(data), calc.reference_tools()
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    assert text.startswith('<|im_start|>system\nS\n\nTools:\n<tools>\n{"name": "calculate"')
+    assert (
+        '<|im_start|>assistant\n<tool_call>{"name": "calculate", "arguments": {"expression": "3*4"}}</tool_call>'
+        in text
+    )
+    assert "<|im_start|>user\n<tool_response>\n12\n</tool_response><|im_end|>" in text
+    # The markers are single tokens, and each turn renders as a prefix of the longer conversation.
+    ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True)["input_ids"]
+    assert tokenizer.convert_tokens_to_ids("<tool_call>") in ids
+    for end in range(1, len(messages)):
+        part = tokenizer.apply_chat_template(messages[:end], tools=tools, tokenize=True, return_dict=True)
+        assert list(ids[: len(part["input_ids"])]) == list(part["input_ids"])
+    # A call whose arguments arrive as a JSON string (OpenAI's wire form) renders the same.
+    wire = [dict(m) for m in messages]
+    wire[2] = {
+        **wire[2],
+        "tool_calls": [
+            {**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
+            for c in wire[2]["tool_calls"]
+        ],
+    }
+    assert tokenizer.apply_chat_template(wire, tools=tools, tokenize=False) == text
