@@ -170,3 +170,17 @@ def compare(probe: Probe, trainer_logprobs: list[float], label: str, tolerance: 
             "--logprobs-mode processed_logprobs)?"
         )
     return difference
+
+
+def trainer_logprobs(model, autocast, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
+    """The trainer's logprobs of a probe's `completion_ids` after `prompt_ids`, at PROBE_TEMPERATURE. Every
+    rank calls it with the same tokens: under FSDP the forward is collective."""
+    import torch
+
+    from lib.loss import token_logp
+
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt_ids + completion_ids], device=device)
+    with torch.no_grad(), autocast():
+        logits = model(input_ids=ids, position_ids=torch.arange(ids.shape[1], device=device)[None]).logits
+    return token_logp(logits, ids, PROBE_TEMPERATURE)[0, len(prompt_ids) :].tolist()

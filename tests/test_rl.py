@@ -264,7 +264,7 @@ def start_job_until(command: list[str], cwd, ready, env) -> subprocess.Popen:
 def test_kill_9_then_resume_continues_from_the_last_checkpoint(tiny_dir, tmp_path):
     out = tmp_path / "run"
     command = own_server_command(tiny_dir, out, "--steps", "40", "--checkpoint-every", "4")
-    env = {**os.environ, "PYTHONPATH": str(FIXTURES)}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{FIXTURES}"}  # this checkout's lib, not an installed one
     # Killed two steps past checkpoint 4: weights/step_5 and step_6 exist, newer than what resumes.
     # Killed with its process group, as a killed job would be; the server it started (in a group of its
     # own) follows through PR_SET_PDEATHSIG.
@@ -291,7 +291,7 @@ def test_kill_9_then_resume_continues_from_the_last_checkpoint(tiny_dir, tmp_pat
 def test_ctrl_c_checkpoints_the_step_it_is_on_then_resume_continues(tiny_dir, tmp_path):
     out = tmp_path / "run"
     command = own_server_command(tiny_dir, out, "--steps", "40", "--checkpoint-every", "100")
-    env = {**os.environ, "PYTHONPATH": str(FIXTURES)}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{FIXTURES}"}  # this checkout's lib, not an installed one
     process = start_job_until(command, tmp_path, out / "weights" / "step_3", env)
     os.killpg(process.pid, signal.SIGINT)  # a terminal's Ctrl-C goes to the job's whole process group
     process.wait(timeout=120)
