@@ -169,6 +169,17 @@ def root_url(base_url: str) -> str:
     return base_url.rstrip("/").removesuffix("/v1")
 
 
+def server_environment(api_key: str | None, threads: int | None) -> dict[str, str]:
+    """A started server's environment: the key goes there (serve.py reads PLAINRL_API_KEY), never on its
+    command line, which every local user can read (ps, /proc/PID/cmdline)."""
+    env = {name: value for name, value in os.environ.items() if name != "PLAINRL_API_KEY"}
+    if api_key:
+        env["PLAINRL_API_KEY"] = api_key
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
 def start_server(
     model: str,
     port: int | None = None,
@@ -188,7 +199,7 @@ def start_server(
     """
     port = port or free_port()
     command = [sys.executable, str(ROOT / "scripts" / "serve.py"), "--model.name", model, "--port", str(port)]
-    command += ["--engine", engine, *(["--api-key", api_key] if api_key else [])]
+    command += ["--engine", engine]
     command += [*(["--weights-root", str(weights_root)] if weights_root else []), *(extra_args or [])]
     log_path = Path(log_path or Path("outputs") / "logs" / f"serve-{port}.log")
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -200,7 +211,7 @@ def start_server(
             stdin=subprocess.DEVNULL,
             preexec_fn=die_with_parent,
             process_group=0,  # a Ctrl-C in the terminal reaches the controller, which stops the server itself
-            env={**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})},
+            env=server_environment(api_key, threads),
         )
     server = Server(process, f"http://127.0.0.1:{port}/v1", log_path)
     deadline = time.monotonic() + timeout
