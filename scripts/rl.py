@@ -106,6 +106,11 @@ class Config:
                 "the sampled distribution at a boundary the trainer cannot reproduce exactly, which biases "
                 "the importance ratio (use temperature to shape sampling)."
             )
+        if self.sampling.temperature == 0:
+            raise UserError(
+                "rl.py samples with sampling.temperature > 0 only: greedy decoding has no distribution for "
+                "the importance ratio to correct."
+            )
         if self.keep_weights < 2 or self.keep_checkpoints < 1 or self.checkpoint_every < 1:
             raise UserError("keep_weights must be >= 2, keep_checkpoints and checkpoint_every >= 1.")
         if self.peer_timeout <= 0:
@@ -148,8 +153,8 @@ def main(cfg: Config) -> dict:
     )
     tokenizer = load_tokenizer(cfg.model.name)
     optimizer, scheduler = build_optimizer(model.parameters(), cfg.optim, cfg.steps)
-    # Inference logprobs are of the tempered distribution (the one sampled from); greedy reports temperature 1.
-    temperature = cfg.sampling.temperature or 1.0
+    # Inference logprobs are of the tempered distribution, the one sampled from.
+    temperature = cfg.sampling.temperature
 
     start, task_index = 0, 0
     if cfg.resume and resume_from:

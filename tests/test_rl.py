@@ -116,6 +116,39 @@ def test_top_p_and_top_k_are_refused_for_training():
     rl.Config(sampling=SamplingConfig(temperature=0.7))  # temperature alone is matched exactly
 
 
+def test_greedy_sampling_is_refused_for_training():
+    from lib.sampling import SamplingConfig
+
+    with pytest.raises(ValueError, match="temperature > 0"):
+        rl.Config(sampling=SamplingConfig(temperature=0))
+
+
+def test_a_preset_whose_sft_stage_has_not_run_names_the_command_that_makes_it(tmp_path, monkeypatch):
+    from lib.model import check_model_name
+
+    monkeypatch.chdir(tmp_path)  # a fresh checkout: no outputs/
+    for env in ("reverse_text", "tiny"):
+        config = parse(rl.Config, ["@", str(ROOT / f"configs/{env}/rl.toml")])
+        with pytest.raises(ValueError, match=f"run `make sft ENV={env}` to create it"):
+            check_model_name(config.model.name)
+
+
+def test_a_server_whose_weights_root_lacks_the_run_directory_says_so(tiny_dir, server, tmp_path):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as outside:  # not under the server's --weights-root
+        with pytest.raises(ValueError, match="--weights-root must contain the run directory"):
+            rl.main(rl_config(tiny_dir, f"{outside}/run", server.url, "--steps", "1"))
+
+
+def test_lora_dropout_stays_out_of_the_probe(tiny_dir, server, tmp_path):
+    # Dropout in the trainer's probe forward would score other weights than the server's: the run would
+    # stop at the first probe after a step that moved the adapters.
+    flags = ("--lora.rank", "8", "--lora.dropout", "0.5", "--optim.lr", "3e-2", "--max-async-level", "0")
+    result = rl.main(rl_config(tiny_dir, tmp_path / "run", server.url, *flags))
+    assert all(m["sync/probe_logprob_difference"] < 1e-3 for m in result["history"]), result["history"]
+
+
 def test_rollout_errors_are_logged_per_step_with_a_running_total(
     tiny_dir, server, tmp_path, monkeypatch, capsys
 ):
