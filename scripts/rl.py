@@ -369,6 +369,7 @@ def main(cfg: Config) -> dict:
             # ---------------------------------------------------- checkpoint
             stopping = dist.all_sum(stop.requested, device) > 0  # a Ctrl-C on any rank stops them all here
             if step_number % cfg.checkpoint_every == 0 or step_number == cfg.steps or stopping:
+                log.flush()  # the curves on disk reach at least as far as the checkpoint
                 progress = {"world_size": world_size, "task_index": producer.task_index if is_main else 0}
                 save_checkpoint(
                     run_dir, step_number, model, optimizer, scheduler, progress, cfg.keep_checkpoints

@@ -321,6 +321,32 @@ def test_kill_9_then_resume_continues_from_the_last_checkpoint(tiny_dir, tmp_pat
     assert leftovers == [], leftovers
 
 
+def test_wandb_keeps_every_step_tensorboard_has_across_kill_9_and_resume(tiny_dir, tmp_path):
+    out = tmp_path / "run"
+    wandb = ("--wandb.project", "p", "--wandb.offline", "--checkpoint-every", "4")
+    command = own_server_command(tiny_dir, out, "--steps", "40", *wandb)
+    # A wandb service an earlier test in this process started is not this run's.
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
+    env |= {"PYTHONPATH": f"{ROOT}:{FIXTURES}", "WANDB_MODE": "offline"}
+    process = start_job_until(command, tmp_path, out / "weights" / "step_6", env)
+    os.killpg(process.pid, signal.SIGKILL)  # wandb's own process, in a session of its own, lives on
+    process.wait()
+    resumed = subprocess.run(
+        command + ["--steps", "8", "--resume"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # Steps 1-4 come from the killed run, 5-8 from the resumed one, which logged again from step 5.
+    scalars, logged = tensorboard_scalars(out), wandb_history(out)
+    assert scalars["reward/mean"].keys() == set(range(1, 9))
+    for tag, steps in scalars.items():
+        assert {step: logged.get(tag, {}).get(step) for step in steps} == pytest.approx(steps, rel=1e-6), tag
+
+
 def test_ctrl_c_checkpoints_the_step_it_is_on_then_resume_continues(tiny_dir, tmp_path):
     out = tmp_path / "run"
     command = own_server_command(tiny_dir, out, "--steps", "40", "--checkpoint-every", "100")
