@@ -23,6 +23,8 @@ from pathlib import Path
 import tomli_w
 import tyro
 
+# What a file or wandb gets in place of an API key.
+REDACTED = "<redacted>"
 USAGE = "Presets: `@ file.toml` (several allowed, deep-merged, later wins) before any --flag; flags override them."
 
 
@@ -210,11 +212,12 @@ def parse(config_class: type, argv: list[str] | None = None, description: str | 
 
 
 def to_dict(config) -> dict:
-    """The config as plain TOML-ready data (None values are left out: TOML has no null)."""
+    """The config as plain TOML-ready data (None values are left out: TOML has no null), API keys
+    redacted: it goes to config.toml and to wandb."""
 
     def clean(value):
         if isinstance(value, dict):
-            return {k: clean(v) for k, v in value.items() if v is not None}
+            return {k: REDACTED if k == "api_key" else clean(v) for k, v in value.items() if v is not None}
         if isinstance(value, tuple | list):
             return [clean(v) for v in value]
         if isinstance(value, Path):

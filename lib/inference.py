@@ -1,4 +1,5 @@
-"""Inference servers from the controller's side: their settings (InferenceConfig); start scripts/serve.py on a free loopback port, wait for /health, watch it, stop it."""
+"""Inference servers from the controller's side: their settings (InferenceConfig); start scripts/serve.py on a
+free loopback port (or attach to running ones), wait for /health, watch it, stop it."""
 
 import contextlib
 import dataclasses
@@ -14,6 +15,7 @@ from typing import Literal
 import httpx
 
 from lib.config import UserError
+from lib.model import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 # How often the controller checks a server's /health while it waits on it (rollouts, a reload).
@@ -167,6 +169,17 @@ def root_url(base_url: str) -> str:
     return base_url.rstrip("/").removesuffix("/v1")
 
 
+def server_environment(api_key: str | None, threads: int | None) -> dict[str, str]:
+    """A started server's environment: the key goes there (serve.py reads PLAINRL_API_KEY), never on its
+    command line, which every local user can read (ps, /proc/PID/cmdline)."""
+    env = {name: value for name, value in os.environ.items() if name != "PLAINRL_API_KEY"}
+    if api_key:
+        env["PLAINRL_API_KEY"] = api_key
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
 def start_server(
     model: str,
     port: int | None = None,
@@ -186,7 +199,7 @@ def start_server(
     """
     port = port or free_port()
     command = [sys.executable, str(ROOT / "scripts" / "serve.py"), "--model.name", model, "--port", str(port)]
-    command += ["--engine", engine, *(["--api-key", api_key] if api_key else [])]
+    command += ["--engine", engine]
     command += [*(["--weights-root", str(weights_root)] if weights_root else []), *(extra_args or [])]
     log_path = Path(log_path or Path("outputs") / "logs" / f"serve-{port}.log")
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -198,7 +211,7 @@ def start_server(
             stdin=subprocess.DEVNULL,
             preexec_fn=die_with_parent,
             process_group=0,  # a Ctrl-C in the terminal reaches the controller, which stops the server itself
-            env={**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})},
+            env=server_environment(api_key, threads),
         )
     server = Server(process, f"http://127.0.0.1:{port}/v1", log_path)
     deadline = time.monotonic() + timeout
@@ -228,3 +241,67 @@ def running_server(model: str, **kwargs):
         yield server
     finally:
         server.stop()
+
+
+def start_or_attach(
+    config: InferenceConfig,
+    model: ModelConfig,
+    trainer_dtype: str,
+    model_limit: int,
+    seq_len: int,
+    device: str,
+    on_policy: bool,
+    run_dir: Path,
+    api_key: str | None,
+    cleanup: contextlib.ExitStack,
+    log_main=print,
+) -> tuple[list[str], list[str], Server | None]:
+    """rl.py's servers: attaches to config.urls, or starts one on model.name (`cleanup` stops it). Returns
+    their base URLs, the model name each answers to, and the started server (None when attached), and
+    writes run_dir/provenance.json. `trainer_dtype` is what the trainer saves ("float32", "bfloat16"),
+    `model_limit` the model's own context length."""
+    from lib.provenance import write_provenance
+
+    urls, server = list(config.urls), None
+    if not urls:
+        threads = None
+        if device == "cpu":
+            # Trainer and server share the cores: split them rather than oversubscribe. On-policy, the
+            # server idles while the trainer trains, so the trainer takes every core.
+            import torch
+
+            cores = os.cpu_count() or 2
+            threads = max(1, cores // 2)
+            torch.set_num_threads(cores if on_policy else max(1, cores - threads))
+        server = start_server(
+            model.name,
+            config.port or None,
+            config.engine,
+            api_key,
+            weights_root=run_dir.resolve(),
+            log_path=run_dir / "server.log",
+            extra_args=[
+                # The trainer's dtype (auto: float32 on CPU, bfloat16 on CUDA), so the two agree.
+                *("--model.dtype", model.dtype if model.dtype != "auto" else trainer_dtype),
+                *("--vllm.gpu-memory-utilization", str(config.gpu_memory_utilization)),
+                # No episode longer than the trainer's rows, nor than the model's own context: the model's
+                # limit (262k tokens for some) would ask for more KV cache than a shared GPU has.
+                *("--max-model-len", str(min(seq_len, model_limit))),
+            ],
+            threads=threads,
+        )
+        cleanup.callback(server.stop)
+        urls = [server.url]
+    # An attached server may serve the starting point under another name (the hub id it was started
+    # with, say): requests use that name, and it gets the run's weights at the first reload.
+    names = [served_model(url, api_key) if config.urls else model.name for url in urls]
+    for url in urls:
+        longest = model_card(url, api_key).get("max_model_len") or 0
+        if longest > seq_len:
+            log_main(
+                f"WARNING: {url} serves sequences of up to {longest} tokens, more than seq_len {seq_len}: "
+                f"longer episodes will be dropped (start it with --max-model-len {seq_len})"
+            )
+    commands = [server.process.args] if server else [None] * len(urls)  # attached: not known here
+    write_provenance(run_dir, [{"url": u, "command": c} for u, c in zip(urls, commands)], api_key)
+    return urls, names, server

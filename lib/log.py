@@ -10,6 +10,9 @@ from pathlib import Path
 from lib.config import UserError
 
 WANDB_INSTALL = "pip install wandb (or: pip install -r requirements.lock, which has it)"
+# wandb's x-axis: the trainer's step, logged with every row. wandb's own step only grows, and drops rows
+# whose step goes back, as a resumed run's do (it logs again from its checkpoint's step).
+STEP_METRIC = "trainer/step"
 
 
 @dataclasses.dataclass
@@ -40,7 +43,8 @@ class WandbConfig:
 def start_wandb(cfg: WandbConfig, run_dir: Path, config: dict, resume: bool = False):
     """The wandb run (files under run_dir/wandb), or None when cfg.project is None.
 
-    The run id is kept in run_dir/wandb_id, so a resumed training run continues the same wandb run."""
+    The run id is kept in run_dir/wandb_id, so a resumed training run continues the same wandb run. Every
+    other metric is plotted against STEP_METRIC."""
     if cfg.project is None:
         return None
     import wandb
@@ -49,7 +53,7 @@ def start_wandb(cfg: WandbConfig, run_dir: Path, config: dict, resume: bool = Fa
     run_id = id_file.read_text().strip() if resume and id_file.exists() else uuid.uuid4().hex[:8]
     id_file.parent.mkdir(parents=True, exist_ok=True)
     id_file.write_text(run_id + "\n")
-    return wandb.init(
+    run = wandb.init(
         project=cfg.project,
         name=cfg.name,
         entity=cfg.entity,
@@ -60,6 +64,9 @@ def start_wandb(cfg: WandbConfig, run_dir: Path, config: dict, resume: bool = Fa
         id=run_id,
         resume="allow",
     )
+    run.define_metric(STEP_METRIC)
+    run.define_metric("*", step_metric=STEP_METRIC)
+    return run
 
 
 def wandb_eval(cfg: WandbConfig, run_dir: Path, config: dict, summary: dict, records: list[dict]) -> None:
@@ -114,7 +121,8 @@ class RunLog:
         self.enabled, self.print_every = enabled, print_every
         if not enabled:
             return
-        self.wandb = start_wandb(wandb or WandbConfig(), run_dir, config or {}, resume=start_step > 0)
+        self.wandb_settings = (wandb or WandbConfig(), run_dir, config or {})
+        self.wandb = start_wandb(*self.wandb_settings, resume=start_step > 0)
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
         from torch.utils.tensorboard import SummaryWriter
@@ -145,7 +153,7 @@ class RunLog:
         for name, value in values.items():
             self.writer.add_scalar(name, value, step)
         if self.wandb is not None:
-            self.wandb.log(values, step=step)
+            self.wandb.log({**values, STEP_METRIC: step})
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         """Logs `values` at `step` (1-based: the number of optimizer steps done) and advances the bar."""
@@ -171,6 +179,11 @@ class RunLog:
         """Puts every event so far on disk (call it with each checkpoint: a killed run keeps its curves)."""
         if self.enabled:
             self.writer.flush()
+        if self.enabled and self.wandb is not None:
+            # wandb writes its log in 32 KiB blocks and loses the last, partial one when the process is
+            # killed; only finishing the run writes it. The same run goes on (about half a second).
+            self.wandb.finish()
+            self.wandb = start_wandb(*self.wandb_settings, resume=True)
 
     def text(self, step: int, tag: str, text: str) -> None:
         if self.enabled:
@@ -178,7 +191,7 @@ class RunLog:
             if self.wandb is not None:
                 import wandb
 
-                self.wandb.log({tag: wandb.Html(f"<pre>{html.escape(text)}</pre>")}, step=step)
+                self.wandb.log({tag: wandb.Html(f"<pre>{html.escape(text)}</pre>"), STEP_METRIC: step})
 
     def close(self) -> None:
         if self.enabled:

@@ -2,6 +2,7 @@
 
 import contextlib
 import dataclasses
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -48,7 +49,11 @@ def check_model_name(name: str) -> None:
     """A path-looking name that does not exist is a typo, not a hub id: say so before any heavy work."""
     looks_local = name.startswith((".", "/", "~")) or name.startswith("outputs") or Path(name).exists()
     if looks_local and not (Path(name).expanduser() / "config.json").is_file():
-        hint = " (run `make tiny` to create it)" if "tiny" in name else ""
+        sft_run = re.search(r"(?:^|/)outputs/([^/]+)/sft/weights/step_\d+/?$", name)
+        if sft_run:  # a preset's SFT stage that has not run yet
+            hint = f" (run `make sft ENV={sft_run.group(1)}` to create it)"
+        else:
+            hint = " (run `make tiny` to create it)" if "tiny" in name else ""
         raise UserError(f"model.name {name} is not a Hugging Face model directory{hint}.")
 
 

@@ -63,3 +63,20 @@ def build_optimizer(params, config: OptimConfig, total_steps: int):
         optimizer, lambda step: lr_factor(config, step, total_steps)
     )
     return optimizer, scheduler
+
+
+def optimizer_step(optimizer, scheduler, max_grad_norm: float) -> tuple[float, float]:
+    """Clips the global norm of the optimizer's gradients to max_grad_norm (0 = no clipping), steps the
+    optimizer and the schedule and clears the gradients; returns the norm before clipping and the step's
+    learning rate."""
+    import torch
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf"))
+    # FSDP2 returns a DTensor sharded over the ranks; its full value is the global norm on every rank.
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    lr = scheduler.get_last_lr()[0]
+    optimizer.step()  # parameters without a gradient (a step with no signal) are left as they are
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm.item(), lr

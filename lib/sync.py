@@ -19,7 +19,10 @@ PROBE_TEMPERATURE = 0.5
 PROBE_TOKENS = 8
 
 
-def likely_cause(url: str, directory: Path) -> str:
+def likely_cause(error: ValueError, directory: Path) -> str:
+    """Why a server could not load `directory` (run_dir/weights/step_N), from its answer."""
+    if "weights_path must be under" in str(error):  # the builtin engine's --weights-root refused it
+        return f"the server's --weights-root must contain the run directory {directory.parents[1]}"
     return (
         f"is {directory} visible on that server's machine? (several nodes need the run directory on a "
         "shared file system, at the same path)"
@@ -98,7 +101,7 @@ def reload_weights(
                     post(http, url, "/collective_rpc", json=rpc)
                 except ValueError as error:
                     raise UserError(
-                        f"{error}; the server could not load {directory}: {likely_cause(url, directory)}"
+                        f"{error}; the server could not load {directory}: {likely_cause(error, directory)}"
                     ) from None
                 # vLLM 0.32 reports the label in every /inference/v1/generate choice as `weight_versions`,
                 # one span per label; the builtin engine does the same.
@@ -169,3 +172,20 @@ def compare(probe: Probe, trainer_logprobs: list[float], label: str, tolerance: 
             "--logprobs-mode processed_logprobs)?"
         )
     return difference
+
+
+def trainer_logprobs(model, autocast, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
+    """The trainer's logprobs of a probe's `completion_ids` after `prompt_ids`, at PROBE_TEMPERATURE. Every
+    rank calls it with the same tokens: under FSDP the forward is collective. The forward runs in eval mode:
+    dropout (LoRA's included) would score other weights than the ones the servers run."""
+    import torch
+
+    from lib.loss import token_logp
+
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt_ids + completion_ids], device=device)
+    model.eval()
+    with torch.no_grad(), autocast():
+        logits = model(input_ids=ids, position_ids=torch.arange(ids.shape[1], device=device)[None]).logits
+    model.train()
+    return token_logp(logits, ids, PROBE_TEMPERATURE)[0, len(prompt_ids) :].tolist()

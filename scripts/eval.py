@@ -45,7 +45,7 @@ class Config:
     base_url: Annotated[str | None, tyro.conf.arg(aliases=("-b",))] = None
     """OpenAI-compatible base URL such as http://localhost:8000/v1; None starts a builtin server."""
     api_key: str | None = None
-    """API key for the endpoint (default: $PLAINRL_API_KEY, else $OPENAI_API_KEY, if set)."""
+    """API key for the endpoint (default: $PLAINRL_API_KEY, else, for a -b endpoint, $OPENAI_API_KEY)."""
     engine: Literal["auto", "torch", "vllm"] = "auto"
     """Engine of the server started when no -b is given."""
     num_examples: Annotated[int, tyro.conf.arg(aliases=("-n",))] = 20
@@ -96,7 +96,9 @@ def main(cfg: Config) -> dict:
     from lib.provenance import write_provenance
 
     console = Console()
-    api_key = cfg.api_key or os.environ.get("PLAINRL_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    api_key = cfg.api_key or os.environ.get("PLAINRL_API_KEY")
+    if cfg.base_url is not None:  # a user's OpenAI key is for their endpoint, never for a server started here
+        api_key = api_key or os.environ.get("OPENAI_API_KEY")
 
     # ---------------------------------------------------------------- environment
     env = EnvConfig(id=cfg.env, args=cfg.env_args, num_examples=cfg.num_examples, seed=cfg.seed)

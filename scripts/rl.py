@@ -106,6 +106,11 @@ class Config:
                 "the sampled distribution at a boundary the trainer cannot reproduce exactly, which biases "
                 "the importance ratio (use temperature to shape sampling)."
             )
+        if self.sampling.temperature == 0:
+            raise UserError(
+                "rl.py samples with sampling.temperature > 0 only: greedy decoding has no distribution for "
+                "the importance ratio to correct."
+            )
         if self.keep_weights < 2 or self.keep_checkpoints < 1 or self.checkpoint_every < 1:
             raise UserError("keep_weights must be >= 2, keep_checkpoints and checkpoint_every >= 1.")
         if self.peer_timeout <= 0:
@@ -114,6 +119,7 @@ class Config:
 
 def main(cfg: Config) -> dict:
     """Trains and returns {"run_dir", "weights" (the last weights/step_N), "history" (metrics per step)}."""
+    import contextlib
     import time
 
     import torch
@@ -125,20 +131,19 @@ def main(cfg: Config) -> dict:
     from lib.log import RunLog
     from lib.loss import entropy, policy_loss, token_logp, token_share
     from lib.model import check_model_name, load_tokenizer, load_trainable, resolve_device
-    from lib.optim import build_optimizer
+    from lib.optim import build_optimizer, optimizer_step
     from lib.packing import rl_micro_batches
     from lib.plot import eval_points, plot_curve
-    from lib.provenance import write_provenance
     from lib.rollouts import Producer, write_records
     from lib.tasks import TaskStream
 
     # ------------------------------------------------------------ config and run directory
     rank, _, world_size = dist.world()
     is_main = rank == 0
-    say = print if is_main else (lambda *args: None)
+    log_main = print if is_main else (lambda *args: None)
     check_model_name(cfg.model.name)
     run_dir = cfg.output_dir
-    resume_from = open_run(cfg, is_main, say)
+    resume_from = open_run(cfg, is_main, log_main)
 
     # ------------------------------------------------------------ dist and model
     device = dist.init(resolve_device(cfg.model), cfg.peer_timeout)
@@ -148,9 +153,8 @@ def main(cfg: Config) -> dict:
     )
     tokenizer = load_tokenizer(cfg.model.name)
     optimizer, scheduler = build_optimizer(model.parameters(), cfg.optim, cfg.steps)
-    params = [p for p in model.parameters() if p.requires_grad]
-    # Inference logprobs are of the tempered distribution (the one sampled from); greedy reports temperature 1.
-    temperature = cfg.sampling.temperature or 1.0
+    # Inference logprobs are of the tempered distribution, the one sampled from.
+    temperature = cfg.sampling.temperature
 
     start, task_index = 0, 0
     if cfg.resume and resume_from:
@@ -159,85 +163,31 @@ def main(cfg: Config) -> dict:
         # Tasks started before the checkpoint, in flight ones included: those are skipped, not replayed.
         # (Checkpoints older than the counter: one step's worth of tasks per step.)
         task_index = progress.get("task_index", start * cfg.examples_per_step)
-        say(f"resumed from {resume_from} (step {start})")
+        log_main(f"resumed from {resume_from} (step {start})")
         if is_main:
             drop_newer(run_dir / "weights", start)
 
-    probe_prompt = tokenizer.encode(sync.PROBE_TEXT, add_special_tokens=False)
-    tolerance = cfg.inference.probe_tolerance or (1e-3 if save_dtype == torch.float32 else 0.05)
-
-    def publish(version: int, when: str) -> tuple[float, float]:
-        """Writes weights/step_N, makes every server load them and checks that each serves them (lib/sync.py);
-        returns the seconds it took and the largest mean |logprob difference| from the trainer."""
-        began = time.perf_counter()
-        path = save_weights(run_dir, version, model, tokenizer, save_dtype, cfg.keep_weights)
-        label = f"step_{version}"
-        probes = []
-        if is_main:
-            sync.reload_weights(urls, path, api_key, label, cfg.inference.pause_mode)
-            probes = [sync.probe(url, name, probe_prompt, api_key) for url, name in zip(urls, names)]
-        probes = dist.scatter([probes] * world_size)  # every rank takes part in the trainer's forward
-        worst = 0.0
-        for probe in probes:
-            ids = torch.tensor([probe_prompt + probe.completion_ids], device=device)
-            with torch.no_grad(), autocast():
-                logits = model(
-                    input_ids=ids, position_ids=torch.arange(ids.shape[1], device=device)[None]
-                ).logits
-            mine = token_logp(logits, ids, sync.PROBE_TEMPERATURE)[0, len(probe_prompt) :].tolist()
-            if is_main:
-                worst = max(worst, sync.compare(probe, mine, label, tolerance, when))
-        return time.perf_counter() - began, worst
-
-    # ------------------------------------------------------------ inference and rollouts (rank 0)
-    producer, server, urls, names, api_key, stop, log, evaluator = None, None, [], [], None, None, None, None
-    try:
+    with contextlib.ExitStack() as cleanup:
+        # -------------------------------------------------------- inference servers and environment (rank 0)
+        urls, names, api_key, evaluator = [], [], None, None
         if is_main:
             api_key = cfg.inference.api_key or os.environ.get("PLAINRL_API_KEY")
-            urls = list(cfg.inference.urls)
-            if not urls:
-                # No episode longer than the trainer's rows, nor than the model's own context.
-                max_model_len = min(
-                    cfg.seq_len, getattr(model.config, "max_position_embeddings", cfg.seq_len)
-                )
-                server_threads = None
-                # On CPU, trainer and server share the cores: split them rather than oversubscribe.
-                if device == "cpu":
-                    cores = os.cpu_count() or 2
-                    server_threads = max(1, cores // 2)
-                    # On-policy, the server idles while the trainer trains: the trainer takes every core.
-                    torch.set_num_threads(
-                        cores if cfg.max_async_level == 0 else max(1, cores - server_threads)
-                    )
-                # The trainer's dtype (auto: float32 on CPU, bfloat16 on CUDA), so the two agree.
-                dtype = (
-                    cfg.model.dtype if cfg.model.dtype != "auto" else str(save_dtype).removeprefix("torch.")
-                )
-                server = inference.start_server(
-                    cfg.model.name,
-                    cfg.inference.port or None,
-                    cfg.inference.engine,
-                    api_key,
-                    weights_root=run_dir.resolve(),
-                    log_path=run_dir / "server.log",
-                    extra_args=[
-                        *("--model.dtype", dtype),
-                        *("--vllm.gpu-memory-utilization", str(cfg.inference.gpu_memory_utilization)),
-                        # The model's own limit (262k tokens for some) would ask for more KV cache than a
-                        # shared GPU has, and vLLM would not start.
-                        *("--max-model-len", str(max_model_len)),
-                    ],
-                    threads=server_threads,
-                )
-                urls = [server.url]
+            urls, names, _ = inference.start_or_attach(
+                cfg.inference,
+                cfg.model,
+                str(save_dtype).removeprefix("torch."),
+                getattr(model.config, "max_position_embeddings", cfg.seq_len),
+                cfg.seq_len,
+                device,
+                cfg.max_async_level == 0,
+                run_dir,
+                api_key,
+                cleanup,
+                log_main,
+            )
             env = envs.load_env(cfg.env)
             tasks = envs.load_tasks(env, cfg.env)
-            # An attached server may serve the starting point under another name (the hub id it was
-            # started with, say): requests use that name, and it gets this run's weights below. The
-            # prompts are rendered here, as for any run, with model.name's tokenizer and renderer.
-            names = [
-                inference.served_model(url, api_key) if cfg.inference.urls else cfg.model.name for url in urls
-            ]
+            # The prompts are rendered here, as for any run, with model.name's tokenizer and renderer.
             renderer = envs.renderer_name(cfg.model.name)
             contexts = [
                 envs.model_context(url, name, cfg.sampling, api_key, True, cfg.model.name, renderer)
@@ -249,21 +199,36 @@ def main(cfg: Config) -> dict:
                 train, held_out = split_held_out(list(tasks), cfg.eval.num_examples)
                 tasks = TaskStream(train, cfg.env.id)
                 evaluator = Evaluator(cfg, held_out, urls[0], names[0], api_key, run_dir / "eval")
-            say(f"env {cfg.env.id}: {tasks.describe()}; {len(urls)} server(s): {' '.join(urls)}")
-            for url in urls:
-                longest = inference.model_card(url, api_key).get("max_model_len") or 0
-                if longest > cfg.seq_len:
-                    say(
-                        f"WARNING: {url} serves sequences of up to {longest} tokens, more than seq_len "
-                        f"{cfg.seq_len}: longer episodes will be dropped (start it with --max-model-len {cfg.seq_len})"
-                    )
-            commands = [server.process.args] if server else [None] * len(urls)  # attached: not known here
-            write_provenance(run_dir, [{"url": u, "command": c} for u, c in zip(urls, commands)], api_key)
-        # Every server, started or attached, loads the run's starting weights from the run directory
-        # and is checked against the trainer before any training: an attached one may hold another run's
+            log_main(f"env {cfg.env.id}: {tasks.describe()}; {len(urls)} server(s): {' '.join(urls)}")
+
+        # -------------------------------------------------------- weight sync
+        probe_prompt = tokenizer.encode(sync.PROBE_TEXT, add_special_tokens=False)
+        tolerance = cfg.inference.probe_tolerance or (1e-3 if save_dtype == torch.float32 else 0.05)
+
+        def publish(version: int, when: str) -> tuple[float, float]:
+            """Writes weights/step_N, has every server load it and checks that each serves it (lib/sync.py);
+            returns the seconds it took and the largest mean |logprob difference| from the trainer."""
+            began = time.perf_counter()
+            path = save_weights(run_dir, version, model, tokenizer, save_dtype, cfg.keep_weights)
+            label, probes = f"step_{version}", []
+            if is_main:
+                sync.reload_weights(urls, path, api_key, label, cfg.inference.pause_mode)
+                probes = [sync.probe(url, name, probe_prompt, api_key) for url, name in zip(urls, names)]
+            probes = dist.scatter([probes] * world_size)  # every rank takes part in the trainer's forward
+            differences = []
+            for probe in probes:
+                trainer_logprobs = sync.trainer_logprobs(model, autocast, probe_prompt, probe.completion_ids)
+                if is_main:
+                    differences.append(sync.compare(probe, trainer_logprobs, label, tolerance, when))
+            return time.perf_counter() - began, max(differences, default=0.0)
+
+        # Every server, started or attached, loads the run's starting weights from the run directory and
+        # is checked against the trainer before any training: an attached one may hold another run's
         # weights (step 1 would be off-policy), and a server that cannot read the run directory, or runs
         # another model or dtype, stops the run here rather than after a step.
         publish(start, "at the start of the run")
+
+        # -------------------------------------------------------- rollout producer (rank 0)
         if is_main:
             producer = Producer(
                 env,
@@ -279,9 +244,9 @@ def main(cfg: Config) -> dict:
                 start_index=task_index,
             )
             producer.start()
-
-        # -------------------------------------------------------- loop
+            cleanup.callback(producer.stop)
         log = RunLog(run_dir, cfg.steps, start, is_main, 1, cfg.wandb, to_dict(cfg))
+        cleanup.callback(log.close)
         history, weights, flat_steps, num_errors = [], None, 0, 0
 
         def plot() -> None:
@@ -294,10 +259,12 @@ def main(cfg: Config) -> dict:
         if evaluator is not None:
             log.evaluation(start, evaluator(start))
         stop = StopAfterStep()
+        cleanup.callback(stop.close)
         for step in range(start, cfg.steps):
+            step_number = step + 1
             began = time.perf_counter()
-            # Rank 0 takes the step's groups and splits the packed micro-batches over the ranks.
-            shares = [None] * world_size
+            # ---------------------------------------------------- batch: rank 0 takes the step's groups
+            micro_batches_per_rank = [None] * world_size
             if is_main:
                 batch = producer.take(
                     step,
@@ -305,14 +272,16 @@ def main(cfg: Config) -> dict:
                     check=lambda: inference.check_servers(urls, api_key),
                 )
                 # A server may serve longer sequences than a training row holds: such rollouts are dropped.
-                fitting = [r for r in batch.rollouts if len(r.token_ids) <= cfg.seq_len]
-                if len(fitting) < len(batch.rollouts):
+                fitting_rollouts = [r for r in batch.rollouts if len(r.token_ids) <= cfg.seq_len]
+                if len(fitting_rollouts) < len(batch.rollouts):
                     log.print(
-                        f"WARNING step {step + 1}: dropped {len(batch.rollouts) - len(fitting)} rollouts longer "
-                        f"than seq_len {cfg.seq_len} (rollouts/too_long)"
+                        f"WARNING step {step_number}: dropped {len(batch.rollouts) - len(fitting_rollouts)} "
+                        f"rollouts longer than seq_len {cfg.seq_len} (rollouts/too_long)"
                     )
+
+                # ------------------------------------------------ pack and split over the ranks
                 micro_batches = rl_micro_batches(
-                    fitting,
+                    fitting_rollouts,
                     cfg.seq_len,
                     cfg.micro_batch_size,
                     tokenizer.pad_token_id,
@@ -320,54 +289,48 @@ def main(cfg: Config) -> dict:
                     packing=cfg.packing,
                 )
                 num_loss_tokens = sum(mb.num_loss_tokens() for mb in micro_batches)
-                shares = [(micro_batches[r::world_size], num_loss_tokens) for r in range(world_size)]
+                micro_batches_per_rank = [
+                    (micro_batches[r::world_size], num_loss_tokens) for r in range(world_size)
+                ]
             waited = time.perf_counter() - began
-            mine, num_loss_tokens = dist.scatter(shares)
+            rank_micro_batches, num_loss_tokens = dist.scatter(micro_batches_per_rank)
 
-            # -------------------------------------------------------- train
+            # ---------------------------------------------------- train
             trained_at = time.perf_counter()
             sums = {"loss": 0.0, "entropy": 0.0}
+            for mb in rank_micro_batches if num_loss_tokens else []:
+                mb = mb.to(device)
+                with autocast():
+                    logits = model(
+                        input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False
+                    ).logits
+                logp = token_logp(logits, mb.input_ids, temperature, mb.loss_mask)  # (R, T)
+                loss, metrics = policy_loss(
+                    logp, mb.inference_logp, mb.advantages, mb.loss_mask, num_loss_tokens, cfg.loss
+                )
+                # FSDP averages gradients over ranks; the loss is already this rank's share of the mean.
+                (loss * world_size).backward()
+                sums["loss"] += loss.item()
+                token_entropy = entropy(logits, temperature, mb.loss_mask)
+                sums["entropy"] += token_share(token_entropy, mb.loss_mask, num_loss_tokens).item()
+                for name, value in metrics.items():
+                    sums[name] = sums.get(name, 0.0) + value.item()
+            grad_norm, lr = optimizer_step(optimizer, scheduler, cfg.optim.max_grad_norm)
             if num_loss_tokens:
-                for mb in mine:
-                    mb = mb.to(device)
-                    with autocast():
-                        logits = model(
-                            input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False
-                        ).logits
-                    logp = token_logp(logits, mb.input_ids, temperature, mb.loss_mask)  # (R, T)
-                    loss, metrics = policy_loss(
-                        logp, mb.inference_logp, mb.advantages, mb.loss_mask, num_loss_tokens, cfg.loss
-                    )
-                    # FSDP averages gradients over ranks; the loss is already this rank's share of the mean.
-                    (loss * world_size).backward()
-                    sums["loss"] += loss.item()
-                    sums["entropy"] += token_share(
-                        entropy(logits, temperature, mb.loss_mask), mb.loss_mask, num_loss_tokens
-                    ).item()
-                    for name, value in metrics.items():
-                        sums[name] = sums.get(name, 0.0) + value.item()
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm or float("inf"))
-                grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-                # every rank has the full norm; summed below
-                sums["grad_norm"] = grad_norm.item() / world_size
-            lr = scheduler.get_last_lr()[0]
-            optimizer.step()  # parameters without a gradient (a step with no signal) are left as they are
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+                sums["grad_norm"] = grad_norm / world_size  # every rank has the full norm; summed below
             totals = {name: dist.all_sum(value, device) for name, value in sorted(sums.items())}
             trained = time.perf_counter() - trained_at
 
-            # -------------------------------------------------------- weight sync
-            done = step + 1
-            synced, probe_difference = publish(done, f"after step {done}")
-            weights = run_dir / "weights" / f"step_{done}"
+            # ---------------------------------------------------- weight sync and evaluation
+            synced, probe_difference = publish(step_number, f"after step {step_number}")
+            weights = run_dir / "weights" / f"step_{step_number}"
             if is_main:
-                producer.set_version(done)
-            # The loop waits for the eval: the servers hold step done's weights until the next publish.
-            if evaluator is not None and (done % cfg.eval.every == 0 or done == cfg.steps):
-                log.evaluation(done, evaluator(done))
+                producer.set_version(step_number)
+            # The loop waits for the eval: the servers hold this step's weights until the next publish.
+            if evaluator is not None and (step_number % cfg.eval.every == 0 or step_number == cfg.steps):
+                log.evaluation(step_number, evaluator(step_number))
 
-            # -------------------------------------------------------- log
+            # ---------------------------------------------------- log
             if is_main:
                 num_tokens = sum(len(r.token_ids) for r in batch.rollouts)
                 metrics = {
@@ -375,7 +338,7 @@ def main(cfg: Config) -> dict:
                     **{f"train/{k}": v for k, v in totals.items()},
                     "train/lr": lr,
                     "rollouts/errors": producer.num_errors - num_errors,
-                    "rollouts/too_long": len(batch.rollouts) - len(fitting),
+                    "rollouts/too_long": len(batch.rollouts) - len(fitting_rollouts),
                     "perf/tokens_per_second": num_tokens / max(trained, 1e-9),
                     "time/wait_rollouts": waited,
                     "time/train": trained,
@@ -384,48 +347,43 @@ def main(cfg: Config) -> dict:
                     "time/step": time.perf_counter() - began,
                 }
                 history.append(metrics)
-                log.scalars(done, metrics)
+                log.scalars(step_number, metrics)
                 if producer.num_errors > num_errors:
                     log.print(
-                        f"step {done}: {producer.num_errors - num_errors} rollout errors "
+                        f"step {step_number}: {producer.num_errors - num_errors} rollout errors "
                         f"({producer.num_errors} in the run)"
                     )
                 num_errors = producer.num_errors
                 if batch.num_flat_groups == len(batch.groups):
                     flat_steps += 1
                     log.print(
-                        f"WARNING step {done}: every group is flat (all rewards equal): no learning signal. "
-                        "Warm the model up with SFT, raise the temperature or change the task difficulty."
+                        f"WARNING step {step_number}: every group is flat (all rewards equal): no learning "
+                        "signal. Warm the model up with SFT, raise the temperature or change the task difficulty."
                     )
-                if done % cfg.sample_every == 0 or done == cfg.steps:
+                if step_number % cfg.sample_every == 0 or step_number == cfg.steps:
                     sample = max(batch.groups[0], key=lambda r: r.reward)
-                    log.text(done, "samples", f"reward {sample.reward:.3f}\n\n```\n{sample.completion}\n```")
-                write_records(run_dir / "rollouts" / f"step_{done}.jsonl", batch.groups)
+                    text = f"reward {sample.reward:.3f}\n\n```\n{sample.completion}\n```"
+                    log.text(step_number, "samples", text)
+                write_records(run_dir / "rollouts" / f"step_{step_number}.jsonl", batch.groups)
 
-            # -------------------------------------------------------- checkpoint
+            # ---------------------------------------------------- checkpoint
             stopping = dist.all_sum(stop.requested, device) > 0  # a Ctrl-C on any rank stops them all here
-            if done % cfg.checkpoint_every == 0 or done == cfg.steps or stopping:
+            if step_number % cfg.checkpoint_every == 0 or step_number == cfg.steps or stopping:
+                log.flush()  # the curves on disk reach at least as far as the checkpoint
                 progress = {"world_size": world_size, "task_index": producer.task_index if is_main else 0}
-                save_checkpoint(run_dir, done, model, optimizer, scheduler, progress, cfg.keep_checkpoints)
+                save_checkpoint(
+                    run_dir, step_number, model, optimizer, scheduler, progress, cfg.keep_checkpoints
+                )
                 if is_main:
                     plot()
-            if stopping and done < cfg.steps:
-                log.print(f"stopped after step {done}: checkpoints/step_{done} saved")
+            if stopping and step_number < cfg.steps:
+                log.print(f"stopped after step {step_number}: checkpoints/step_{step_number} saved")
                 raise KeyboardInterrupt  # run_main ends the run with the resume hint
-    finally:
-        if stop is not None:
-            stop.close()
-        if log is not None:
-            log.close()
-        if producer is not None:
-            producer.stop()
-        if server is not None:
-            server.stop()
     if history and flat_steps == len(history):
-        say(
+        log_main(
             "WARNING: no learning signal in any step: every group was flat. Warm the model up with SFT first."
         )
-    say(f"run dir: {run_dir}")
+    log_main(f"run dir: {run_dir}")
     dist.close()
     return {"run_dir": run_dir, "weights": weights, "history": history}
 

@@ -5,7 +5,7 @@ Two engines behind the same routes: vLLM on GPUs, and plainrl's builtin PyTorch 
 installed and a GPU is visible, else the builtin engine, and logs which. With vLLM this process becomes
 `vllm serve` (lib/vllm.py lists its flags); the builtin engine is served by uvicorn.
 
-Both bind 127.0.0.1 unless --host says otherwise, and take `--api-key` (or $PLAINRL_API_KEY). New weights:
+Both bind 127.0.0.1 unless --host says otherwise, and take $PLAINRL_API_KEY (or `--api-key`). New weights:
     curl -X POST $URL/pause?mode=wait
     curl -X POST $URL/collective_rpc -d '{"method": "reload_weights", "kwargs": {"weights_path": "outputs/run/weights/step_3"}}'
     curl -X POST $URL/resume
@@ -17,7 +17,7 @@ Usage:
     python scripts/serve.py --model.name Qwen/Qwen3-0.6B --engine vllm --port 8000    # one GPU
     python scripts/serve.py --model.name Qwen/Qwen3-4B --engine vllm --vllm.tensor-parallel-size 2 --vllm.data-parallel-size 4
     # two nodes with 4 GPUs each, 8 replicas behind node 1's endpoint: node 1, then node 2
-    python scripts/serve.py --model.name Qwen/Qwen3-4B --engine vllm --host 0.0.0.0 --api-key KEY --vllm.data-parallel-size 8 --vllm.data-parallel-size-local 4 --vllm.data-parallel-address 10.0.0.1 --vllm.data-parallel-rpc-port 13345
+    PLAINRL_API_KEY=KEY python scripts/serve.py --model.name Qwen/Qwen3-4B --engine vllm --host 0.0.0.0 --vllm.data-parallel-size 8 --vllm.data-parallel-size-local 4 --vllm.data-parallel-address 10.0.0.1 --vllm.data-parallel-rpc-port 13345
     python scripts/serve.py --model.name Qwen/Qwen3-4B --engine vllm --vllm.data-parallel-size 8 --vllm.data-parallel-size-local 4 --vllm.data-parallel-address 10.0.0.1 --vllm.data-parallel-rpc-port 13345 --vllm.headless --vllm.data-parallel-start-rank 4
 """
 
@@ -42,7 +42,8 @@ class Config:
     port: int = 8000
     """TCP port."""
     api_key: str | None = None
-    """Require `Authorization: Bearer KEY` on every route, admin routes included."""
+    """Require `Authorization: Bearer KEY` on every route, admin routes included (default: $PLAINRL_API_KEY,
+    which keeps the key out of the process list; vLLM gets it in its environment either way)."""
     served_model_name: str | None = None
     """Name clients use in `model` (default: model.name)."""
     weights_root: Path = Path("outputs")

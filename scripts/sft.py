@@ -102,7 +102,7 @@ def main(cfg: Config) -> dict:
     from lib.data import batch_indices, load_conversations, tokenize_all
     from lib.log import RunLog
     from lib.model import check_model_name, load_tokenizer, load_trainable, resolve_device
-    from lib.optim import build_optimizer
+    from lib.optim import build_optimizer, optimizer_step
     from lib.packing import IGNORE, sft_rows
     from lib.plot import plot_curve
     from lib.provenance import write_provenance
@@ -188,12 +188,7 @@ def main(cfg: Config) -> dict:
                 # FSDP averages gradients over ranks; this loss is already a mean over all ranks' tokens.
                 (token_loss * world_size / loss_tokens).backward()
                 loss_sum += token_loss.item()
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm or float("inf"))
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            lr = scheduler.get_last_lr()[0]
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            grad_norm, lr = optimizer_step(optimizer, scheduler, cfg.optim.max_grad_norm)
             loss = dist.all_sum(loss_sum, device) / loss_tokens
             stopping = dist.all_sum(stop.requested, device) > 0  # a Ctrl-C on any rank stops them all here
             elapsed = time.perf_counter() - started
@@ -202,7 +197,7 @@ def main(cfg: Config) -> dict:
             metrics = {
                 "train/loss": loss,
                 "train/lr": lr,
-                "train/grad_norm": grad_norm.item(),
+                "train/grad_norm": grad_norm,
                 "perf/tokens_per_second": step_tokens / elapsed,
                 "perf/step_seconds": elapsed,
             }

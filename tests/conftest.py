@@ -114,7 +114,31 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def wandb_history(run_dir: Path) -> dict[str, dict[int, float]]:
-    """Every scalar an offline wandb run under run_dir/wandb logged, as {key: {step: value}}.
+    """Every scalar an offline wandb run under run_dir/wandb logged, as {key: {trainer step: value}}, across
+    its run files in the order they were written (each checkpoint, and a resume, starts one); a later row
+    of a step wins, as a resumed run's does."""
+    from lib.log import STEP_METRIC
+
+    history: dict[str, dict[int, float]] = {}
+    paths = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"), key=lambda p: p.stat().st_mtime)
+    assert paths, f"no offline wandb run under {run_dir}"
+    for path in paths:
+        for items in wandb_rows(path.read_bytes()):
+            step = items.pop(STEP_METRIC)
+            # Media (an Html's "_type", "size") arrive as nested keys too: only plain numbers are scalars.
+            media = {key.rsplit("/", 1)[0] for key in items if key.endswith("/_type")}
+            for key, value in items.items():
+                if (
+                    isinstance(value, int | float)
+                    and not key.startswith("_")
+                    and key.rsplit("/", 1)[0] not in media
+                ):
+                    history.setdefault(key, {})[step] = value
+    return history
+
+
+def wandb_rows(data: bytes) -> list[dict]:
+    """The history rows of one run-*.wandb file, each as {key: value}.
 
     wandb >= 0.2x has no Python reader for its run-*.wandb transaction log: this reads the framing
     (":W&B" + magic 0xBEE1 + version 0, then LevelDB-log records in 32 KiB blocks, each with a
@@ -124,10 +148,8 @@ def wandb_history(run_dir: Path) -> dict[str, dict[int, float]]:
 
     from wandb.proto.wandb_internal_pb2 import Record
 
-    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
-    data = path.read_bytes()
     assert data[:7] == b":W&B\xe1\xbe\x00", "not a wandb transaction log (or a new version of it)"
-    history: dict[str, dict[int, float]] = {}
+    rows = []
     position, pending = 7, b""
     while position + 7 <= len(data):
         if 32768 - position % 32768 < 7:  # a block's tail too short for a header is padding
@@ -142,22 +164,14 @@ def wandb_history(run_dir: Path) -> dict[str, dict[int, float]]:
             continue
         record = Record()
         record.ParseFromString(pending)
-        if record.WhichOneof("record_type") == "history":
-            step = record.history.step.num
-            # "a/b" keys arrive split into nested keys; so do the fields of media (an Html's "_type", "size").
-            items = {
-                item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                for item in record.history.item
-            }
-            media = {key.rsplit("/", 1)[0] for key in items if key.endswith("/_type")}
-            for key, value in items.items():
-                if (
-                    isinstance(value, int | float)
-                    and not key.startswith("_")
-                    and key.rsplit("/", 1)[0] not in media
-                ):
-                    history.setdefault(key, {})[step] = value
-    return history
+        if record.WhichOneof("record_type") == "history":  # "a/b" keys arrive split into nested keys
+            rows.append(
+                {
+                    item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                    for item in record.history.item
+                }
+            )
+    return rows
 
 
 def tensorboard_scalars(run_dir: Path) -> dict[str, dict[int, float]]:

@@ -116,6 +116,39 @@ def test_top_p_and_top_k_are_refused_for_training():
     rl.Config(sampling=SamplingConfig(temperature=0.7))  # temperature alone is matched exactly
 
 
+def test_greedy_sampling_is_refused_for_training():
+    from lib.sampling import SamplingConfig
+
+    with pytest.raises(ValueError, match="temperature > 0"):
+        rl.Config(sampling=SamplingConfig(temperature=0))
+
+
+def test_a_preset_whose_sft_stage_has_not_run_names_the_command_that_makes_it(tmp_path, monkeypatch):
+    from lib.model import check_model_name
+
+    monkeypatch.chdir(tmp_path)  # a fresh checkout: no outputs/
+    for env in ("reverse_text", "tiny"):
+        config = parse(rl.Config, ["@", str(ROOT / f"configs/{env}/rl.toml")])
+        with pytest.raises(ValueError, match=f"run `make sft ENV={env}` to create it"):
+            check_model_name(config.model.name)
+
+
+def test_a_server_whose_weights_root_lacks_the_run_directory_says_so(tiny_dir, server, tmp_path):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as outside:  # not under the server's --weights-root
+        with pytest.raises(ValueError, match="--weights-root must contain the run directory"):
+            rl.main(rl_config(tiny_dir, f"{outside}/run", server.url, "--steps", "1"))
+
+
+def test_lora_dropout_stays_out_of_the_probe(tiny_dir, server, tmp_path):
+    # Dropout in the trainer's probe forward would score other weights than the server's: the run would
+    # stop at the first probe after a step that moved the adapters.
+    flags = ("--lora.rank", "8", "--lora.dropout", "0.5", "--optim.lr", "3e-2", "--max-async-level", "0")
+    result = rl.main(rl_config(tiny_dir, tmp_path / "run", server.url, *flags))
+    assert all(m["sync/probe_logprob_difference"] < 1e-3 for m in result["history"]), result["history"]
+
+
 def test_rollout_errors_are_logged_per_step_with_a_running_total(
     tiny_dir, server, tmp_path, monkeypatch, capsys
 ):
@@ -264,7 +297,7 @@ def start_job_until(command: list[str], cwd, ready, env) -> subprocess.Popen:
 def test_kill_9_then_resume_continues_from_the_last_checkpoint(tiny_dir, tmp_path):
     out = tmp_path / "run"
     command = own_server_command(tiny_dir, out, "--steps", "40", "--checkpoint-every", "4")
-    env = {**os.environ, "PYTHONPATH": str(FIXTURES)}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{FIXTURES}"}  # this checkout's lib, not an installed one
     # Killed two steps past checkpoint 4: weights/step_5 and step_6 exist, newer than what resumes.
     # Killed with its process group, as a killed job would be; the server it started (in a group of its
     # own) follows through PR_SET_PDEATHSIG.
@@ -288,10 +321,36 @@ def test_kill_9_then_resume_continues_from_the_last_checkpoint(tiny_dir, tmp_pat
     assert leftovers == [], leftovers
 
 
+def test_wandb_keeps_every_step_tensorboard_has_across_kill_9_and_resume(tiny_dir, tmp_path):
+    out = tmp_path / "run"
+    wandb = ("--wandb.project", "p", "--wandb.offline", "--checkpoint-every", "4")
+    command = own_server_command(tiny_dir, out, "--steps", "40", *wandb)
+    # A wandb service an earlier test in this process started is not this run's.
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
+    env |= {"PYTHONPATH": f"{ROOT}:{FIXTURES}", "WANDB_MODE": "offline"}
+    process = start_job_until(command, tmp_path, out / "weights" / "step_6", env)
+    os.killpg(process.pid, signal.SIGKILL)  # wandb's own process, in a session of its own, lives on
+    process.wait()
+    resumed = subprocess.run(
+        command + ["--steps", "8", "--resume"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # Steps 1-4 come from the killed run, 5-8 from the resumed one, which logged again from step 5.
+    scalars, logged = tensorboard_scalars(out), wandb_history(out)
+    assert scalars["reward/mean"].keys() == set(range(1, 9))
+    for tag, steps in scalars.items():
+        assert {step: logged.get(tag, {}).get(step) for step in steps} == pytest.approx(steps, rel=1e-6), tag
+
+
 def test_ctrl_c_checkpoints_the_step_it_is_on_then_resume_continues(tiny_dir, tmp_path):
     out = tmp_path / "run"
     command = own_server_command(tiny_dir, out, "--steps", "40", "--checkpoint-every", "100")
-    env = {**os.environ, "PYTHONPATH": str(FIXTURES)}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{FIXTURES}"}  # this checkout's lib, not an installed one
     process = start_job_until(command, tmp_path, out / "weights" / "step_3", env)
     os.killpg(process.pid, signal.SIGINT)  # a terminal's Ctrl-C goes to the job's whole process group
     process.wait(timeout=120)

@@ -32,7 +32,7 @@ def test_a_failed_reload_resumes_the_server_and_names_it_and_the_directory(serve
         sync.reload_weights([running.url], outside, None, "step_3")
     sentence = str(failed.value)
     assert inference.root_url(running.url) in sentence and str(outside) in sentence and "403" in sentence
-    assert "visible on that server's machine" in sentence
+    assert "the server's --weights-root must contain the run directory" in sentence
     # Before, the server stayed paused: every request after it (an attached eval) waited forever.
     assert httpx.get(inference.root_url(running.url) + "/is_paused").json() == {"is_paused": False}
     assert inference.is_healthy(running.url)
