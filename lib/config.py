@@ -11,6 +11,7 @@ This module imports no torch: `--help` must stay fast.
 import contextlib
 import dataclasses
 import io
+import os
 import re
 import signal
 import sys
@@ -25,6 +26,7 @@ import tyro
 
 # What a file or wandb gets in place of an API key.
 REDACTED = "<redacted>"
+KEY_VARIABLE = "PLAINRL_API_KEY"
 USAGE = "Presets: `@ file.toml` (several allowed, deep-merged, later wins) before any --flag; flags override them."
 
 
@@ -33,6 +35,14 @@ class UserError(ValueError):
     and exit code 2, no traceback. A ValueError, because tyro reports only that as a message when a
     config's `__post_init__` raises; any other exception, a ValueError from torch included, keeps its
     traceback."""
+
+
+def given_api_key(given: str | None) -> str | None:
+    """The key typed in a config or flag, else $PLAINRL_API_KEY. A config.toml written by a run holds REDACTED in
+    the key's place, so repeating the run with `@ config.toml` takes the key from the environment again."""
+    if given and given != REDACTED:
+        return given
+    return os.environ.get(KEY_VARIABLE) or None
 
 
 def fail(message: str) -> typing.NoReturn:

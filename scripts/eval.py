@@ -27,7 +27,7 @@ from typing import Annotated, Literal
 
 import tyro
 
-from lib.config import UserError, fail, parse, run_main, write_config
+from lib.config import UserError, fail, given_api_key, parse, run_main, write_config
 from lib.envs import json_object
 from lib.evaluation import pass_at_k, run_all, summarize  # noqa: F401 (pass_at_k: eval.pass_at_k for users)
 from lib.inference import check_base_url
@@ -96,7 +96,7 @@ def main(cfg: Config) -> dict:
     from lib.provenance import write_provenance
 
     console = Console()
-    api_key = cfg.api_key or os.environ.get("PLAINRL_API_KEY")
+    api_key = given_api_key(cfg.api_key)
     if cfg.base_url is not None:  # a user's OpenAI key is for their endpoint, never for a server started here
         api_key = api_key or os.environ.get("OPENAI_API_KEY")
 

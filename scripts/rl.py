@@ -20,10 +20,9 @@ Usage:
 """
 
 import dataclasses
-import os
 from pathlib import Path
 
-from lib.config import StopAfterStep, UserError, parse, run_main
+from lib.config import StopAfterStep, UserError, given_api_key, parse, run_main
 from lib.envs import EnvConfig
 from lib.evaluation import EvalConfig
 from lib.inference import InferenceConfig
@@ -171,7 +170,7 @@ def main(cfg: Config) -> dict:
         # -------------------------------------------------------- inference servers and environment (rank 0)
         urls, names, api_key, evaluator = [], [], None, None
         if is_main:
-            api_key = cfg.inference.api_key or os.environ.get("PLAINRL_API_KEY")
+            api_key = given_api_key(cfg.inference.api_key)
             urls, names, _ = inference.start_or_attach(
                 cfg.inference,
                 cfg.model,

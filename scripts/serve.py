@@ -22,11 +22,10 @@ Usage:
 """
 
 import dataclasses
-import os
 from pathlib import Path
 from typing import Literal
 
-from lib.config import UserError, parse, run_main
+from lib.config import UserError, given_api_key, parse, run_main
 from lib.model import ModelConfig
 from lib.vllm import VllmConfig
 
@@ -91,7 +90,7 @@ def main(cfg: Config) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     log = logging.getLogger("serve")
     check_model_name(cfg.model.name)
-    api_key = cfg.api_key or os.environ.get("PLAINRL_API_KEY") or None
+    api_key = given_api_key(cfg.api_key)
     served_model_name = cfg.served_model_name or cfg.model.name
     if cfg.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s: the admin routes (pause, reload) are reachable from the network.", cfg.host)

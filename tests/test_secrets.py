@@ -76,6 +76,14 @@ def test_a_key_typed_on_the_command_line_is_redacted_in_config_and_provenance(tm
     assert files_holding(tmp_path, KEY) == []
     assert "<redacted>" in (tmp_path / "config.toml").read_text()
     assert to_dict(config)["inference"]["api_key"] == "<redacted>"  # also what wandb's config gets
+    # Repeating the run with `@ config.toml` takes the key from the environment, not the placeholder.
+    from lib.config import given_api_key
+
+    again = parse(rl.Config, ["@", str(tmp_path / "config.toml")])
+    monkeypatch.setenv("PLAINRL_API_KEY", "from-the-environment")
+    assert given_api_key(again.inference.api_key) == "from-the-environment"
+    monkeypatch.delenv("PLAINRL_API_KEY")
+    assert given_api_key(again.inference.api_key) is None
 
 
 def test_eval_sends_openai_api_key_only_to_an_endpoint_the_user_named(tiny_dir, tmp_path, monkeypatch):
