@@ -2,7 +2,8 @@
 
 Each launch is `make sft|rl NNODES=2 NODE_RANK=0|1 NPROC=1 RDZV_ENDPOINT=127.0.0.1:PORT`, one trainer
 process per "node", gloo over loopback. tests/fixtures/hooks (on PYTHONPATH) counts the directories
-each rank writes and, for rl.py, replays fixed batches so a one-process run can be compared.
+each rank writes and, for rl.py, replays fixed batches so a one-process run can be compared (one rl.py
+test keeps the live producer, to follow its task counter across a resume).
 """
 
 import contextlib
@@ -229,6 +230,28 @@ def test_two_node_make_rl_matches_one_process_and_rank_0_writes(tiny_dir, server
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
+def test_two_node_rl_with_live_rollouts_resumes_the_task_counter(tiny_dir, servers, tmp_path):
+    """The real producer on rank 0 (the replay one always draws task 0): a resume on both nodes goes on
+    with the tasks after those the checkpoint counted as started, not from the first task again."""
+    out = tmp_path / "run"
+    env = node_env(tmp_path)
+    args = rl_args(tiny_dir, "--seq-len", "256")
+    url = servers[0].url
+    run_nodes("rl", out, args, env, INFERENCE_URL=url)
+    index = json.loads((out / "checkpoints" / "step_2" / "progress.json").read_text())["task_index"]
+    assert index >= 8, index  # 2 steps of 4 tasks were started, and maybe the next step's
+    started = [
+        json.loads(line)["task_id"] for n in (1, 2) for line in open(out / "rollouts" / f"step_{n}.jsonl")
+    ]
+    assert set(started) <= {f"letter-{i}" for i in range(index)}, started
+    run_nodes("rl", out, [*args, "--steps", "3", "--resume"], env, INFERENCE_URL=url)
+    assert "(step 2)" in (tmp_path / "node0.out").read_text()
+    resumed = [json.loads(line)["task_id"] for line in open(out / "rollouts" / "step_3.jsonl")]
+    # letter_taskset has 16 tasks; with max_async_level 0 step 3 draws the 4 after the counter.
+    assert resumed and set(resumed) <= {f"letter-{i % 16}" for i in range(index, index + 4)}, (index, resumed)
+
+
 def test_rl_spreads_rollouts_over_two_servers_and_reloads_both(tiny_dir, servers, tmp_path, monkeypatch):
     import httpx
     from transformers import AutoModelForCausalLM
@@ -367,8 +390,10 @@ def checkpoints(out: Path) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("failure", ["kill -9", "SIGSTOP"])
-def test_node_1_lost_ends_node_0_then_resume_on_both_continues(tiny_dir, servers, tmp_path, failure):
+@pytest.mark.parametrize("lost,failure", [(1, "kill -9"), (1, "SIGSTOP"), (0, "kill -9")])
+def test_a_lost_node_ends_the_other_then_resume_on_both_continues(tiny_dir, servers, tmp_path, lost, failure):
+    """Node 0 runs the controller and hosts torchrun's store, so losing it is not losing node 1: both end
+    the surviving node in seconds with one line, and `--resume` on both continues."""
     out = tmp_path / "run"
     env = node_env(tmp_path, PLAINRL_TEST_REPLAY="1")
     args = rl_args(tiny_dir, "--steps", "200", "--checkpoint-every", "2", "--keep-checkpoints", "2")
@@ -378,31 +403,32 @@ def test_node_1_lost_ends_node_0_then_resume_on_both_continues(tiny_dir, servers
         start_node("rl", rank, port, out, [*args, "--peer-timeout", "5"], env, INFERENCE_URL=url)
         for rank in (0, 1)
     ]
+    survivor = 1 - lost
     try:
         deadline = time.monotonic() + 240
         while len(checkpoints(out)) < 1:
             assert nodes[0].poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
             time.sleep(0.05)
-        trainer = worker(nodes[1])
-        lost = time.monotonic()
+        trainer = worker(nodes[lost])
+        began = time.monotonic()
         if failure == "kill -9":
             os.kill(trainer, signal.SIGKILL)
         else:  # the whole node freezes: its torchrun and its trainer
-            for pid in [*descendants(nodes[1].pid), nodes[1].pid]:
+            for pid in [*descendants(nodes[lost].pid), nodes[lost].pid]:
                 os.kill(pid, signal.SIGSTOP)
-        nodes[0].wait(timeout=60)
-        took = time.monotonic() - lost
+        nodes[survivor].wait(timeout=60)
+        took = time.monotonic() - began
     finally:
         kill_all(nodes)
-    node0_err = (tmp_path / "node0.err").read_text()
-    assert nodes[0].returncode != 0, node0_err[-3000:]
+    survivor_err = (tmp_path / f"node{survivor}.err").read_text()
+    assert nodes[survivor].returncode != 0, survivor_err[-3000:]
     assert took < 30, took  # peer timeout 5 s, then torchrun's own shutdown
     if failure == "SIGSTOP":  # nothing closes: the heartbeat tells
-        assert "error: rank 1 sent no heartbeat" in node0_err, node0_err[-3000:]
+        assert f"error: rank {lost} sent no heartbeat" in survivor_err, survivor_err[-3000:]
     else:  # the broken connection tells first, unless the heartbeat does
-        assert "error: rank 0 lost a peer" in node0_err or "sent no heartbeat" in node0_err, node0_err[-3000:]
-    (tmp_path / "took.json").write_text(json.dumps({failure: took}))
-    print(f"node 0 ended {took:.1f} s after {failure} of node 1")
+        lines = (f"error: rank {survivor} lost a peer", f"error: rank {lost} sent no heartbeat")
+        assert any(line in survivor_err for line in lines), survivor_err[-3000:]
+    print(f"node {survivor} ended {took:.1f} s after {failure} of node {lost}")
     last = checkpoints(out)[-1]
     assert last < 200
     (tmp_path / "node0.out").write_text("")
