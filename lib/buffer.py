@@ -74,6 +74,9 @@ class StepBatch:
     """Largest step - policy_version among the rollouts taken."""
     wait_seconds: float
     """How long take() waited for the producer."""
+    num_too_long: int = 0
+    """Rollouts dropped (whole groups, before their advantages, flat or not) because one of the group's
+    rollouts was longer than seq_len; set by the producer: those dropped since the previous step."""
 
     def metrics(self, env_id: str) -> dict[str, float]:
         """The step's reward and rollout scalars, as logged."""
@@ -85,6 +88,7 @@ class StepBatch:
             f"reward/{env_id}": mean,
             "rollouts/flat_groups": self.num_flat_groups,
             "rollouts/stale_dropped": self.num_stale_rollouts,
+            "rollouts/too_long": self.num_too_long,
             "rollouts/staleness_mean": self.staleness_mean,
             "rollouts/staleness_max": self.staleness_max,
         }

@@ -180,7 +180,20 @@ async def run_group(
             on_complete(episode)
         return episode
 
-    return await asyncio.gather(*(one() for _ in range(num)))
+    return await gather_or_cancel(one() for _ in range(num))
+
+
+async def gather_or_cancel(coroutines) -> list:
+    """The coroutines' results, run together; when one raises, the others are cancelled and awaited
+    before the error propagates (left running, they would keep asking the server for nothing)."""
+    tasks = [asyncio.ensure_future(coroutine) for coroutine in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def episode_error(episode: "vf.Episode") -> str | None:

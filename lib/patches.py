@@ -7,6 +7,9 @@ import asyncio
 import weakref
 
 GENERATE_PATH = "/inference/v1/generate"
+# A sampling setting that travels with each generate request to the transport below, never to a server:
+# the longest sequence, prompt included, that the trainer takes (seq_len).
+SEQ_LEN_KEY = "plainrl_seq_len"
 
 
 def name_generate_tokens(payload: dict) -> dict:
@@ -25,6 +28,18 @@ def name_generate_tokens(payload: dict) -> dict:
     return payload
 
 
+def fit_max_tokens(body: dict) -> dict:
+    """A generate request body without SEQ_LEN_KEY, its max_tokens cut to what is left of that limit after
+    the prompt (at least 1: a prompt that already fills it is left to the server and the too-long
+    check). Returns `body`, changed in place."""
+    sampling = body.get("sampling_params") or {}
+    limit = sampling.pop(SEQ_LEN_KEY, None)
+    if limit is not None:
+        room = max(1, limit - len(body.get("token_ids") or []))
+        sampling["max_tokens"] = min(sampling.get("max_tokens") or room, room)
+    return body
+
+
 def use_aiohttp_transport() -> None:
     """Makes verifiers' HTTP clients (the eval relay, the train client's /generate calls) send through aiohttp,
     and speak vLLM 0.32's dialect of /inference/v1/generate.
@@ -35,7 +50,10 @@ def use_aiohttp_transport() -> None:
     two places where the client and vLLM disagree are settled here, for both engines alike:
     - every generate request asks for `return_token_ids`, so the answer echoes `prompt_token_ids` and
       the client trains on the prompt tokens the server actually saw, not on its own record of them;
-    - every generate answer's logprob entries get the token names the client checks (`name_generate_tokens`).
+    - every generate answer's logprob entries get the token names the client checks (`name_generate_tokens`);
+    - a request that carries SEQ_LEN_KEY asks for at most what is left of it after its prompt
+      (`fit_max_tokens`), so an episode ends where a training row does instead of failing with a 400
+      from a server whose max_model_len is seq_len.
     """
     import json
 
@@ -49,7 +67,7 @@ def use_aiohttp_transport() -> None:
         async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
             if not request.url.path.endswith(GENERATE_PATH):
                 return await super().handle_async_request(request)
-            body = {**json.loads(request.content), "return_token_ids": True}
+            body = fit_max_tokens({**json.loads(request.content), "return_token_ids": True})
             headers = {k: v for k, v in request.headers.items() if k.lower() != "content-length"}
             request = httpx.Request(
                 request.method, request.url, headers=headers, json=body, extensions=request.extensions

@@ -2,13 +2,14 @@
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import threading
 import time
 from pathlib import Path
 
-from lib import envs
+from lib import envs, patches
 from lib.buffer import Buffer, Rollout, StepBatch
 from lib.config import UserError
 from lib.inference import HEALTH_EVERY_S
@@ -30,6 +31,10 @@ class Producer:
     episode that straddles a reload keeps the older version (its staleness is over-, never under-stated).
     A group the buffer drops as stale, like a failed one, gives its slot back for a replacement.
 
+    With `seq_len`, every generate request asks for at most what is left of seq_len after its prompt,
+    and a group with a rollout still longer (a multi-turn episode whose later prompt fills the row) is
+    dropped whole before its advantages, counted as too long, and replaced like a failed one.
+
     Tasks are drawn in order; `task_index` counts those started. A checkpoint saves it and a resumed run
     starts there: the groups in flight at the kill (at most (max_async_level + 1) * examples_per_step)
     are skipped, never replayed, and the counter works as well for an endless stream of tasks.
@@ -48,14 +53,22 @@ class Producer:
         env_name: str,
         start_version: int = 0,
         start_index: int = 0,
+        seq_len: int | None = None,
     ):
         assert tasks and contexts, "the producer needs examples and at least one server"
-        self.env, self.tasks, self.contexts = env, tasks, contexts
+        if seq_len is not None:
+            contexts = [
+                dataclasses.replace(c, sampling=c.sampling.model_copy(update={patches.SEQ_LEN_KEY: seq_len}))
+                for c in contexts
+            ]
+        self.env, self.tasks, self.contexts, self.seq_len = env, tasks, contexts, seq_len
         self.group_size, self.examples_per_step = rollouts_per_example, examples_per_step
         self.max_async_level, self.env_name = max_async_level, env_name
         self.version, self.task_index = start_version, start_index
         self.started = start_version * examples_per_step  # groups started, counted in step units
         self.num_errors = 0
+        self.num_too_long = 0  # rollouts in groups dropped for a rollout longer than seq_len
+        self.too_long_reported = 0  # of those, the ones a batch from take() already counted
         self.errors: list[str] = []
         self.failed_in_a_row = 0  # groups that gave nothing to train on, since the last one that did
         self.last_success = time.monotonic()
@@ -90,9 +103,14 @@ class Producer:
             if self.failure is not None:
                 raise RuntimeError("the rollout producer failed") from self.failure
             try:
-                return future.result(timeout=0.5)
+                batch = future.result(timeout=0.5)
             except TimeoutError:
                 continue
+            batch.num_too_long, self.too_long_reported = (
+                self.num_too_long - self.too_long_reported,
+                self.num_too_long,
+            )
+            return batch
 
     def pop_errors(self) -> list[str]:
         """Error messages since the last call (at most 20 are kept between calls)."""
@@ -110,8 +128,9 @@ class Producer:
 
     def stop(self) -> None:
         """Cancels the episodes in flight and the producer, which then leaves the env's serving session
-        (closing its servers and connections), and stops the loop."""
+        (closing its servers and connections), and stops and closes the loop."""
         if not self.thread.is_alive():
+            self.loop.close()  # never started, or already stopped (closing twice does nothing)
             return
 
         async def shutdown():
@@ -131,7 +150,11 @@ class Producer:
         asyncio.set_event_loop(self.loop)
         self.wakeup = asyncio.Event()
         self.loop.create_task(self._produce())
-        self.loop.run_forever()
+        try:
+            self.loop.run_forever()
+        finally:
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.close()
 
     async def _produce(self) -> None:
         try:
@@ -158,6 +181,16 @@ class Producer:
             raise
 
     async def _group(self, task, context) -> None:
+        """Plays one group; an exception outside the episodes (a bug in turning them into rollouts) ends
+        the run through take(), with its traceback, rather than losing the group's slot in silence."""
+        try:
+            await self._play_group(task, context)
+        except asyncio.CancelledError:  # stop()
+            raise
+        except BaseException as error:
+            self.failure = error
+
+    async def _play_group(self, task, context) -> None:
         async def one():
             async with self.semaphore:
                 # The weights live now serve the episode's first request: a group queued behind others
@@ -166,8 +199,8 @@ class Producer:
                 return version, await envs.run_episode(self.env, task, context)
 
         try:
-            episodes = await asyncio.gather(*(one() for _ in range(self.group_size)))
-        except Exception as error:  # a failing group must not stop the run; it is counted and logged
+            episodes = await envs.gather_or_cancel(one() for _ in range(self.group_size))
+        except Exception as error:  # a failing episode must not stop the run; it is counted and logged
             self._error(f"{type(error).__name__}: {error}")
             self._replace_failed_group()
             return
@@ -180,6 +213,13 @@ class Producer:
                 self._error(error)
             num_episodes += bool(rollouts)
             group += rollouts
+        longest = max((len(r.token_ids) for r in group), default=0)
+        if self.seq_len is not None and longest > self.seq_len:
+            # Dropping only the long rollouts would leave the rest of the group's advantages not summing to 0.
+            self.num_too_long += len(group)
+            self.last_error = f"a rollout of {longest} tokens is longer than seq_len {self.seq_len}"
+            self._replace_failed_group()
+            return
         if num_episodes < 2:  # a group of one episode (however many branches) has no advantage
             self._replace_failed_group()
             return

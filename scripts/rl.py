@@ -241,6 +241,7 @@ def main(cfg: Config) -> dict:
                 cfg.env.id,
                 start_version=start,
                 start_index=task_index,
+                seq_len=cfg.seq_len,
             )
             producer.start()
             cleanup.callback(producer.stop)
@@ -270,17 +271,15 @@ def main(cfg: Config) -> dict:
                     report=lambda message: log.print(f"rollout error: {message}"),
                     check=lambda: inference.check_servers(urls, api_key),
                 )
-                # A server may serve longer sequences than a training row holds: such rollouts are dropped.
-                fitting_rollouts = [r for r in batch.rollouts if len(r.token_ids) <= cfg.seq_len]
-                if len(fitting_rollouts) < len(batch.rollouts):
+                if batch.num_too_long:
                     log.print(
-                        f"WARNING step {step_number}: dropped {len(batch.rollouts) - len(fitting_rollouts)} "
-                        f"rollouts longer than seq_len {cfg.seq_len} (rollouts/too_long)"
+                        f"WARNING step {step_number}: dropped {batch.num_too_long} rollouts (whole groups) longer "
+                        f"than seq_len {cfg.seq_len} (rollouts/too_long)"
                     )
 
                 # ------------------------------------------------ pack and split over the ranks
                 micro_batches = rl_micro_batches(
-                    fitting_rollouts,
+                    batch.rollouts,
                     cfg.seq_len,
                     cfg.micro_batch_size,
                     tokenizer.pad_token_id,
@@ -337,7 +336,6 @@ def main(cfg: Config) -> dict:
                     **{f"train/{k}": v for k, v in totals.items()},
                     "train/lr": lr,
                     "rollouts/errors": producer.num_errors - num_errors,
-                    "rollouts/too_long": len(batch.rollouts) - len(fitting_rollouts),
                     "perf/tokens_per_second": num_tokens / max(trained, 1e-9),
                     "time/wait_rollouts": waited,
                     "time/train": trained,

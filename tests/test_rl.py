@@ -152,21 +152,27 @@ def test_lora_dropout_stays_out_of_the_probe(tiny_dir, server, tmp_path):
 def test_rollout_errors_are_logged_per_step_with_a_running_total(
     tiny_dir, server, tmp_path, monkeypatch, capsys
 ):
-    from replay_rl import ReplayProducer
+    import dataclasses
 
-    import lib.rollouts
+    import lib.envs
 
-    class FailingTwicePerStep(ReplayProducer):
-        num_errors = 0
+    # The real producer, whose first episode of each task asks a port where no server listens: one
+    # real episode error per group. On-policy, a step's groups all finish before the step takes them.
+    run_episode, asked = lib.envs.run_episode, set()
 
-        def take(self, step, report=print, check=None):
-            self.num_errors += 2
-            return super().take(step, report, check)
+    async def first_episode_fails(vf_env, task, context):
+        if task.data.id not in asked:
+            asked.add(task.data.id)
+            dead = context.client.model_copy(update={"base_url": "http://127.0.0.1:9/v1"})
+            context = dataclasses.replace(context, client=dead)
+        return await run_episode(vf_env, task, context)
 
-    monkeypatch.setattr(lib.rollouts, "Producer", FailingTwicePerStep)
-    result = rl.main(rl_config(tiny_dir, tmp_path / "run", server.url, "--steps", "3"))
-    assert [m["rollouts/errors"] for m in result["history"]] == [2, 2, 2]
-    assert "2 rollout errors (6 in the run)" in capsys.readouterr().out
+    monkeypatch.setattr(lib.envs, "run_episode", first_episode_fails)
+    result = rl.main(
+        rl_config(tiny_dir, tmp_path / "run", server.url, "--steps", "3", "--max-async-level", "0")
+    )
+    assert [m["rollouts/errors"] for m in result["history"]] == [4, 4, 4]  # 4 groups a step
+    assert "4 rollout errors (12 in the run)" in capsys.readouterr().out
 
 
 def test_on_policy_ratio_is_one_and_the_server_gets_each_step_weights(tiny_dir, server, tmp_path):

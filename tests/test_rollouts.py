@@ -1,40 +1,54 @@
-"""Producer with the real Buffer on made-up episodes: version tags, async slots, branches, resume order."""
+"""Producer with the real Buffer on made-up episodes: version tags, async slots, branches, resume order,
+failures, episodes longer than seq_len."""
 
 import asyncio
 import contextlib
+import threading
 import time
 import types
 
 import pytest
 
 import lib.rollouts
+from lib import patches
 from lib.buffer import Rollout
+from lib.envs import model_context
 from lib.rollouts import Producer
+from lib.sampling import SamplingConfig
 
 
 @pytest.fixture
 def fake_env(monkeypatch):
-    """Episodes of task {"id", "delay", "reward", "branches"}: they sleep `delay` s; the group's n-th
-    episode gets the n-th reward (None: the episode fails) and gives the n-th number of branches."""
+    """Episodes of task {"id", "delay", "reward", "branches", "length", "raise"}: they sleep `delay` s; the
+    group's n-th episode gets the n-th reward (None: the episode fails), gives the n-th number of
+    branches of the n-th length, and raises ConnectionError if the n-th "raise" is true; task["finished"]
+    counts the episodes that ran to their end."""
 
     @contextlib.asynccontextmanager
     async def serving(env):
         yield
 
     async def run_episode(env, task, context):
-        await asyncio.sleep(task.get("delay", 0.01))
-        rewards, branches = task.get("reward", [0.0, 1.0]), task.get("branches", [1])
         task["episodes"] = task.get("episodes", 0) + 1
         n = task["episodes"] - 1
-        return task, rewards[n % len(rewards)], branches[n % len(branches)]
+
+        def nth(key, default):
+            values = task.get(key, default)
+            return values[n % len(values)]
+
+        if nth("raise", [False]):
+            raise ConnectionError("the server went away")
+        await asyncio.sleep(task.get("delay", 0.01))
+        task["finished"] = task.get("finished", 0) + 1
+        return task, nth("reward", [0.0, 1.0]), nth("branches", [1]), nth("length", [3])
 
     def training_samples(episode, policy_version, env, task_id, episode_index):
-        task, reward, branches = episode
+        task, reward, branches, length = episode
         if reward is None:
             return [], "the episode failed"
         rollout = Rollout(
-            [1, 2, 3], [False, True, True], [0.0, -1.0, -1.0], reward, policy_version, env, str(task["id"]),
-            task_id, episode=episode_index,
+            [1] * length, [False] + [True] * (length - 1), [0.0] + [-1.0] * (length - 1), reward,
+            policy_version, env, str(task["id"]), task_id, episode=episode_index,
         )  # fmt: skip
         return [rollout] * branches, None
 
@@ -49,6 +63,35 @@ class FakeTask(dict):
     @property
     def data(self):
         return types.SimpleNamespace(id=self["id"], idx=None)
+
+
+def eventually(condition, seconds: float = 10.0) -> bool:
+    """Whether `condition()` becomes true within `seconds` (polled; a busy machine only makes it slower)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def take_within(run: Producer, step: int, seconds: float = 20.0):
+    """run.take(step), or a test failure (not a hung test) when it neither returns nor raises in time."""
+    outcome = {}
+
+    def take():
+        try:
+            outcome["batch"] = run.take(step)
+        except BaseException as error:
+            outcome["error"] = error
+
+    thread = threading.Thread(target=take, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert outcome, f"take({step}) still waits after {seconds} s"
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["batch"]
 
 
 def producer(tasks, examples_per_step=1, max_async_level=1, max_concurrent=64, **kwargs) -> Producer:
@@ -87,12 +130,12 @@ def test_stale_drops_give_their_slots_back(fake_env):
             step += 1
             run.set_version(step)
             time.sleep(0.1)
-        time.sleep(0.2)
-        # Every slot the trainer allows is in use again: started groups minus the one dropped.
-        assert stale == 2 and run.task_index - 1 == (step + 1 + 1) * 1, (run.index, step)
+        # Every slot the trainer allows (version + max_async_level + 1 groups) is in use again: the
+        # groups started are those plus one per group dropped.
+        slots = step + 1 + 1
+        assert eventually(lambda: run.task_index == slots + stale // 2), (run.task_index, slots, stale)
         for _ in range(3):  # and a group is ready ahead of the trainer, step after step
-            time.sleep(0.3)
-            assert run.buffer.ready() >= 2
+            assert eventually(lambda: run.buffer.ready() >= 2), run.buffer.ready()
             run.take(step)
             step += 1
             run.set_version(step)
@@ -161,3 +204,82 @@ def test_resume_neither_replays_nor_skips_more_than_the_groups_in_flight(fake_en
     in_flight = (max_async_level + 1) * examples_per_step  # groups started but not trained at the kill
     assert len(resumed) == len(set(resumed)) == len(uninterrupted), f"replayed: {sorted(resumed)}"
     assert len(set(uninterrupted) - set(resumed)) <= in_flight, (sorted(uninterrupted), sorted(resumed))
+
+
+def test_an_episode_that_raises_is_counted_its_group_replaced_and_its_siblings_cancelled(fake_env):
+    # Task 0's first episode raises at once; its sibling would run 2 s against the server for nothing.
+    tasks = [{"id": 0, "delay": 2.0, "raise": [True, False]}] + [{"id": i} for i in range(1, 10)]
+    run = producer(tasks, examples_per_step=2, max_async_level=0)
+    run.start()
+    try:
+        batch = take_within(run, 0)
+        assert sorted(group[0].completion for group in batch.groups) == ["1", "2"]
+        assert run.num_errors == 1 and run.last_error == "ConnectionError: the server went away"
+        time.sleep(2.5)
+        assert run.tasks[0].get("finished", 0) == 0, "the failed episode's sibling kept running"
+    finally:
+        run.stop()
+
+
+def test_an_exception_outside_the_episodes_ends_the_run_with_its_traceback(fake_env, monkeypatch):
+    def broken(*args, **kwargs):
+        raise AssertionError("ragged branch")
+
+    monkeypatch.setattr(lib.rollouts.envs, "training_samples", broken)
+    run = producer([{"id": i} for i in range(10)])
+    run.start()
+    try:
+        with pytest.raises(RuntimeError, match="rollout producer failed") as failure:
+            take_within(run, 0)
+        assert isinstance(failure.value.__cause__, AssertionError)
+        assert run.num_errors == 0  # a bug, not a rollout error
+    finally:
+        run.stop()
+
+
+def test_stop_closes_the_event_loop(fake_env):
+    run = producer([{"id": i} for i in range(10)])
+    run.start()
+    take_within(run, 0)
+    run.stop()
+    assert run.loop.is_closed() and not run.thread.is_alive()
+
+
+def test_a_group_with_a_rollout_longer_than_seq_len_is_dropped_whole_before_its_advantages(fake_env):
+    tasks = [
+        {"id": 0, "reward": [0.0, 1.0, 0.5], "length": [3, 9, 4]},  # one rollout too long
+        {"id": 1, "reward": [1.0, 1.0, 1.0], "length": [9, 3, 3]},  # flat, and too long: counted too
+        {"id": 2, "reward": [0.0, 1.0, 0.5], "length": [8, 3, 5]},  # fits exactly
+        {"id": 3, "reward": [0.0, 1.0, 0.5], "length": [2, 3, 5]},
+    ]
+    context = model_context("http://127.0.0.1:9/v1", "m", SamplingConfig(), train=True)  # the fake ignores it
+    run = Producer(None, [FakeTask(t) for t in tasks], [context], 3, 2, 0, 64, False, "fake", seq_len=8)
+    run.start()
+    try:
+        batch = take_within(run, 0)
+    finally:
+        run.stop()
+    assert sorted(group[0].completion for group in batch.groups) == ["2", "3"]
+    assert batch.num_too_long == 6 and batch.metrics("fake")["rollouts/too_long"] == 6
+    assert run.num_errors == 0
+    for group in batch.groups:  # what is trained on still sums to zero, group by group
+        assert sum(r.advantage for r in group) == pytest.approx(0.0)
+        assert max(len(r.token_ids) for r in group) <= 8
+
+
+def test_each_request_asks_for_what_is_left_of_seq_len_after_its_prompt():
+    context = model_context("http://127.0.0.1:9/v1", "m", SamplingConfig(max_tokens=128), train=True)
+    run = Producer(None, [FakeTask({"id": 0})], [context], 2, 1, 0, 1, False, "fake", seq_len=192)
+    run.stop()
+    sampling = run.contexts[0].sampling.model_dump(exclude_none=True)
+
+    def asked(prompt_tokens: int) -> dict:
+        body = {"token_ids": [5] * prompt_tokens, "sampling_params": dict(sampling)}
+        return patches.fit_max_tokens(body)["sampling_params"]
+
+    assert asked(40)["max_tokens"] == 128 and asked(100)["max_tokens"] == 92 and asked(191)["max_tokens"] == 1
+    assert patches.SEQ_LEN_KEY not in asked(100), "the limit is plainrl's, never sent to a server"
+    assert (
+        "max_tokens" in context.sampling.model_dump()
+        and patches.SEQ_LEN_KEY not in context.sampling.model_dump()
+    )

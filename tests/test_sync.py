@@ -95,7 +95,9 @@ def test_a_dead_or_silent_server_is_one_sentence(tmp_path):
         sync.post(http, gone, "/pause?mode=wait")
 
 
-def test_rollouts_longer_than_a_training_row_are_dropped_not_fatal(server, tiny_dir, tmp_path, capsys):
+def test_a_server_with_a_longer_context_is_asked_for_rollouts_that_fit_a_training_row(
+    server, tiny_dir, tmp_path, capsys
+):
     running, root = server
     args = [
         "@",
@@ -107,9 +109,8 @@ def test_rollouts_longer_than_a_training_row_are_dropped_not_fatal(server, tiny_
     ]
     args += ["--inference.urls", running.url, "--env.id", "letter_taskset", "--examples-per-step", "2"]
     args += ["--rollouts-per-example", "8", "--sampling.max-tokens", "60", "--steps", "3", "--seq-len", "64"]
-    result = rl.main(parse(rl.Config, args))  # before: data.pack raised "longer than a row" at step 1
-    dropped = sum(m["rollouts/too_long"] for m in result["history"])
-    assert len(result["history"]) == 3 and dropped > 0
-    out = capsys.readouterr().out
-    assert "serves sequences of up to 2048 tokens, more than seq_len 64" in out
-    assert "rollouts longer than seq_len 64 (rollouts/too_long)" in out
+    result = rl.main(parse(rl.Config, args))
+    # Prompt plus 60 tokens passes 64: each request asks only for what is left of seq_len after its prompt.
+    assert len(result["history"]) == 3
+    assert [(m["rollouts/too_long"], m["rollouts/errors"]) for m in result["history"]] == [(0, 0)] * 3
+    assert "serves sequences of up to 2048 tokens, more than seq_len 64" in capsys.readouterr().out
