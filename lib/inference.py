@@ -300,7 +300,8 @@ def start_or_attach(
         if longest > seq_len:
             log_main(
                 f"WARNING: {url} serves sequences of up to {longest} tokens, more than seq_len {seq_len}: "
-                f"longer episodes will be dropped (start it with --max-model-len {seq_len})"
+                f"each request's max_tokens is cut to fit seq_len, and a group whose episode still outgrows it "
+                f"is dropped (start the server with --max-model-len {seq_len} to refuse such prompts there)"
             )
     commands = [server.process.args] if server else [None] * len(urls)  # attached: not known here
     write_provenance(run_dir, [{"url": u, "command": c} for u, c in zip(urls, commands)], api_key)

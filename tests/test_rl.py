@@ -4,7 +4,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -415,9 +414,7 @@ def test_two_cpu_processes_match_one_on_the_same_batches(tiny_dir, server, tmp_p
     flags = ["--steps", "2", "--micro-batch-size", "1", "--seq-len", "64", "--max-async-level", "0"]
     monkeypatch.setattr(lib.rollouts, "Producer", ReplayProducer)
     one = rl.main(rl_config(tiny_dir, tmp_path / "one", server.url, *flags))
-    with socket.socket() as probe:  # a free port: other test runs may share this machine
-        probe.bind(("127.0.0.1", 0))
-        port = str(probe.getsockname()[1])
+    port = str(inference.free_port())  # other test runs may share this machine
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port]
     args = rl_config_args(tiny_dir, tmp_path / "two", server.url, *flags)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{FIXTURES}"}

@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -12,6 +11,7 @@ from conftest import ROOT, load_script, tensorboard_scalars, wandb_history
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from lib import inference
 from lib.config import parse
 
 TEXTS = [
@@ -212,9 +212,7 @@ def test_lora_weights_are_merged_into_the_saved_model(tiny_dir, data_file, tmp_p
 def test_two_cpu_processes_match_one(tiny_dir, data_file, tmp_path):
     args = flags(tiny_dir, data_file, tmp_path / "two", "--steps", "3", "--micro-batch-size", "1")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    with socket.socket() as probe:  # a free port: other test runs may share this machine
-        probe.bind(("127.0.0.1", 0))
-        port = str(probe.getsockname()[1])
+    port = str(inference.free_port())  # other test runs may share this machine
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port]
     script = [*torchrun, str(ROOT / "scripts/sft.py"), *args]
     result = subprocess.run(script, capture_output=True, text=True, env=env, timeout=180)
