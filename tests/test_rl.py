@@ -299,6 +299,21 @@ def start_job_until(command: list[str], cwd, ready, env) -> subprocess.Popen:
     return process
 
 
+def kill_at_step_6_then_resume(command: list[str], cwd, out, env) -> subprocess.CompletedProcess:
+    """Runs `command` (checkpoints every 4 steps) until weights/step_6 exists, kill -9s its process group,
+    checks that checkpoint 4 is the newest, and resumes it to step 8."""
+    process = start_job_until(command, cwd, out / "weights" / "step_6", env)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    newest = max(int(p.name[5:]) for p in (out / "checkpoints").glob("step_*"))
+    assert newest == 4, newest
+    resumed = subprocess.run(
+        command + ["--steps", "8", "--resume"], cwd=cwd, capture_output=True, text=True, timeout=300, env=env
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return resumed
+
+
 def test_kill_9_then_resume_continues_from_the_last_checkpoint(tiny_dir, tmp_path):
     out = tmp_path / "run"
     command = own_server_command(tiny_dir, out, "--steps", "40", "--checkpoint-every", "4")
@@ -306,21 +321,8 @@ def test_kill_9_then_resume_continues_from_the_last_checkpoint(tiny_dir, tmp_pat
     # Killed two steps past checkpoint 4: weights/step_5 and step_6 exist, newer than what resumes.
     # Killed with its process group, as a killed job would be; the server it started (in a group of its
     # own) follows through PR_SET_PDEATHSIG.
-    process = start_job_until(command, tmp_path, out / "weights" / "step_6", env)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-    killed_at = max(int(p.name[5:]) for p in (out / "checkpoints").glob("step_*"))
-    assert killed_at == 4, killed_at
-    resumed = subprocess.run(
-        command + ["--steps", "8", "--resume"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"(step {killed_at})" in resumed.stdout
+    resumed = kill_at_step_6_then_resume(command, tmp_path, out, env)
+    assert "(step 4)" in resumed.stdout
     assert (out / "weights" / "step_8").is_dir() and (out / "checkpoints" / "step_8").is_dir()
     leftovers = [p.name for p in out.rglob(".tmp-*")]
     assert leftovers == [], leftovers
@@ -333,18 +335,7 @@ def test_wandb_keeps_every_step_tensorboard_has_across_kill_9_and_resume(tiny_di
     # A wandb service an earlier test in this process started is not this run's.
     env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
     env |= {"PYTHONPATH": f"{ROOT}:{FIXTURES}", "WANDB_MODE": "offline"}
-    process = start_job_until(command, tmp_path, out / "weights" / "step_6", env)
-    os.killpg(process.pid, signal.SIGKILL)  # wandb's own process, in a session of its own, lives on
-    process.wait()
-    resumed = subprocess.run(
-        command + ["--steps", "8", "--resume"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    kill_at_step_6_then_resume(command, tmp_path, out, env)  # wandb's own process lives on
     # Steps 1-4 come from the killed run, 5-8 from the resumed one, which logged again from step 5.
     scalars, logged = tensorboard_scalars(out), wandb_history(out)
     assert scalars["reward/mean"].keys() == set(range(1, 9))

@@ -45,12 +45,12 @@ def test_a_pause_that_times_out_still_resumes_the_server(server, tiny_dir, monke
 
     running, root = server
     weights = shutil.copytree(tiny_dir, root / "weights" / "step_5", dirs_exist_ok=True)
-    params = {"max_tokens": 200, "temperature": 1.0, "ignore_eos": True, "seed": 0}
+    params = {"max_tokens": 2000, "temperature": 1.0, "ignore_eos": True, "seed": 0}
     body = {"model": inference.served_model(running.url), "token_ids": [5, 6, 7], "sampling_params": params}
     generate_url = inference.root_url(running.url) + "/inference/v1/generate"
     long = threading.Thread(target=lambda: httpx.post(generate_url, json=body, timeout=300))
     long.start()
-    time.sleep(0.5)  # the completion is decoding
+    time.sleep(0.5)  # the completion is decoding: 2000 tokens outlast the 1 s the pause is given
     post = sync.post
 
     def impatient_pause(http, url, path, **kwargs):
