@@ -136,7 +136,7 @@ class QwenConfig:
     """Qwen3 shape: 0.6B, 1.7B, 4B (the public configs), or test (2 layers of hidden 256, full vocabulary)."""
     tie: bool = True
     """Share the embedding with the output layer, as Qwen3 up to 4B does; --qwen.no-tie gives the output layer
-    its own weights (vLLM 0.32's CPU build does not refresh a tied one on an in-place reload)."""
+    its own weights, as Qwen3-8B and up."""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Dtype of the weights on disk (Qwen ships bfloat16; the trainer picks its own compute dtype on load)."""
     overrides: str = "{}"

@@ -227,8 +227,13 @@ def build_app(
 
     @app.post("/collective_rpc")
     async def collective_rpc(body: RpcRequest):
+        if body.method == "refresh_tied_output_layer":  # vLLM's CPU build needs it (lib/vllm.py); a reload
+            return {"results": [False]}  # here rebuilds every layer
         if body.method != "reload_weights":
-            raise UserError(f"collective_rpc method {body.method!r} is not supported; use reload_weights.")
+            raise UserError(
+                f"collective_rpc method {body.method!r} is not supported; use reload_weights or "
+                "refresh_tied_output_layer."
+            )
         weights_path = body.kwargs.get("weights_path")
         if not isinstance(weights_path, str) or not weights_path:
             raise UserError("reload_weights needs kwargs.weights_path, a directory.")

@@ -1,6 +1,7 @@
 """Weight sync from the controller's side: make every server load weights/step_N, and check it serves them."""
 
 import dataclasses
+import json
 import threading
 from pathlib import Path
 
@@ -73,6 +74,18 @@ def check_weights_dir(directory: Path) -> None:
     )
 
 
+def refresh_tied_output_layer(http: httpx.Client, url: str) -> None:
+    """After a reload of a tied model: vLLM's CPU build would go on scoring with the old output layer
+    (lib/vllm.py TiedOutputLayer); the builtin engine and vLLM on GPUs have nothing to refresh."""
+    try:
+        post(http, url, "/collective_rpc", json={"method": "refresh_tied_output_layer"})
+    except ValueError as error:
+        raise UserError(
+            f"{error}; a model whose output layer is its embedding needs vLLM started by scripts/serve.py "
+            "(or with --worker-extension-cls lib.vllm.TiedOutputLayer), which refreshes that layer on reload"
+        ) from None
+
+
 def reload_weights(
     urls: list[str], directory: Path, api_key: str | None, label: str, pause_mode: str = "wait"
 ) -> None:
@@ -89,6 +102,7 @@ def reload_weights(
     assert pause_mode in ("wait", "keep"), f"unknown pause mode {pause_mode!r}"
     directory = Path(directory).resolve()
     check_weights_dir(directory)
+    tied = json.loads((directory / "config.json").read_text()).get("tie_word_embeddings", False)
     rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(directory)}}
     with httpx.Client(headers=headers(api_key)) as http:
         for url in urls:
@@ -103,6 +117,8 @@ def reload_weights(
                     raise UserError(
                         f"{error}; the server could not load {directory}: {likely_cause(error, directory)}"
                     ) from None
+                if tied:
+                    refresh_tied_output_layer(http, url)
                 # vLLM 0.32 reports the label in every /inference/v1/generate choice as `weight_versions`,
                 # one span per label; the builtin engine does the same.
                 post(http, url, "/update_weight_version", json={"new_version": label})

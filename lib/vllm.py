@@ -110,10 +110,32 @@ def vllm_command(
     if config.headless:
         command.append("--headless")
     command += ["--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", "--enable-scale-out"]
-    command += ["--max-logprobs", str(max_logprobs)]
+    command += ["--max-logprobs", str(max_logprobs), "--worker-extension-cls", "lib.vllm.TiedOutputLayer"]
     if config.tool_call_parser and not config.headless:  # the API server parses chat answers
         command += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
     return command + list(config.extra_args)
+
+
+class TiedOutputLayer:
+    """vLLM worker extension: `/collective_rpc` method `refresh_tied_output_layer`, which sync.py calls after
+    every reload of a model whose output layer is its embedding (Qwen3 up to 4B).
+
+    vLLM 0.32's CPU build computes the output layer from a packed copy of its weight, made once the weights
+    are loaded; an in-place reload repacks the layers it loaded weights into, and the tied output layer gets
+    none (its weight comes with the embedding), so it kept scoring with the first weights. On GPUs the
+    output layer reads the embedding's tensor itself and there is nothing to refresh."""
+
+    def refresh_tied_output_layer(self) -> bool:
+        model = self.get_model()
+        head, embedding = (
+            getattr(model, "lm_head", None),
+            getattr(getattr(model, "model", None), "embed_tokens", None),
+        )
+        if head is None or embedding is None or not hasattr(head, "cpu_linear"):
+            return False
+        head.weight = embedding.weight
+        head.quant_method.process_weights_after_loading(head)
+        return True
 
 
 def vllm_environment(

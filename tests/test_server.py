@@ -422,6 +422,9 @@ def test_malformed_requests_get_4xx_and_the_server_stays_up(server):
         assert 400 <= response.status_code < 500, (path, body, response.status_code, response.text)
         assert response.json()["error"]["message"], response.text
     assert len(bad) >= 20
+    # sync.py calls this after reloading a tied model (vLLM's CPU build needs it); a reload here rebuilds it all.
+    refresh = client.post("/collective_rpc", json={"method": "refresh_tied_output_layer"})
+    assert refresh.status_code == 200 and refresh.json() == {"results": [False]}, refresh.text
     assert client.get("/health").status_code == 200
     assert client.post("/v1/chat/completions", json=chat).status_code == 200
     assert client.get("/is_paused").json() == {"is_paused": False}
