@@ -200,6 +200,9 @@ def sequence_bounds(position_ids, rows: int, length: int) -> dict:
     return bounds
 
 
+VARLEN_DEVICES = ("cuda",)  # devices with a variable-length attention kernel (torch's has no CPU backend)
+
+
 def varlen_kernel():
     """(name, function) of flash-attn's variable-length kernel when installed, else torch's."""
     import importlib.util
@@ -231,8 +234,15 @@ def packed_attention(
     if position_ids is None:
         position_ids = torch.arange(length, device=query.device)[None]  # (1, L): one sample per row
     bounds = sequence_bounds(position_ids, rows, length)
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        # Autocast casts matmul inputs, not attention's: Qwen3's q/k norms and RoPE leave q and k in float32
+        # (the master weights' dtype) while v comes out of a projection in bf16.
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = (x.to(dtype) for x in (query, key, value))
     # The flash kernels take half precision only (bf16 under autocast); fp32 on CUDA takes the SDPA loop.
-    kernel = varlen_kernel() if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) else None
+    half = query.dtype in (torch.float16, torch.bfloat16)
+    kernel = varlen_kernel() if device in VARLEN_DEVICES and half else None
     if kernel is not None:
         # Flattened (B * L, heads, D): a sample never spans two rows, so the row ends are sample ends too.
         q, k, v = (x.transpose(1, 2).reshape(rows * length, x.shape[1], dim) for x in (query, key, value))

@@ -167,3 +167,57 @@ def test_packed_row_gives_the_same_logprobs_as_separate_forwards(tiny_dir):
     for t, token in enumerate(mb.input_ids[0].tolist()):
         if mb.loss_mask[0, t]:  # the first token of each sample has no context of its own
             assert packed[0, t].item() == pytest.approx(expected[token], abs=1e-5)
+
+
+def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, window_size=None, enable_gqa=False):
+    """torch's varlen_attn by its definition, for CPU: one causal SDPA per cu_seqlens segment of the
+    flattened (tokens, heads, dim) q/k/v."""
+    assert torch.equal(cu_q, cu_k) and window_size == (-1, 0)
+    bounds = cu_q.tolist()
+    pieces = [
+        F.scaled_dot_product_attention(
+            *(x[s:e].transpose(0, 1)[None] for x in (q, k, v)),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )[0].transpose(0, 1)
+        for s, e in zip(bounds, bounds[1:])
+    ]
+    return torch.cat(pieces)  # (tokens, heads, dim)
+
+
+def test_under_bf16_autocast_packed_rows_take_the_varlen_kernel_which_equals_the_sdpa_loop(
+    tiny_dir, monkeypatch
+):
+    """The trainer's float32 weights under bf16 autocast: Qwen3's q and k leave its norms and RoPE in float32,
+    v in bf16; all three must reach the kernel in bf16, or packed attention falls back to the SDPA loop.
+    torch's kernel has no CPU backend: CPU stands in for CUDA, with the reference kernel above."""
+    from lib import packing
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+    assert model.config.model_type == "qwen3"
+    use_packed_attention(model)
+    samples = [([5, 6, 7, 8, 9], [0, 1, 1, 1, 1]), ([9, 10, 11], [0, 1, 1]), ([12, 13], [0, 1])]
+    input_ids, position_ids, _ = sft_rows(samples, seq_len=10, packing=True, pad_id=0)
+    seen = []
+
+    def recording_varlen(q, k, v, *args, **kwargs):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return reference_varlen(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(packing, "varlen_kernel", lambda: ("torch", recording_varlen))
+
+    def logits(varlen_devices):
+        monkeypatch.setattr(packing, "VARLEN_DEVICES", varlen_devices)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits.float()
+
+    looped = logits(("cuda",))
+    assert not seen  # on CPU: the SDPA loop
+    kernel = logits(("cuda", "cpu"))
+    assert seen == [(torch.bfloat16,) * 3] * model.config.num_hidden_layers, seen
+    torch.testing.assert_close(kernel, looped, rtol=0, atol=0)  # the same bf16 arithmetic, sample by sample
+    with torch.no_grad():  # float32, as on CPU or with model.dtype float32: no half-precision kernel
+        seen.clear()
+        model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+    assert not seen
