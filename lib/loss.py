@@ -37,9 +37,9 @@ def token_logp(logits, input_ids, temperature: float = 1.0, mask=None):
     logits: (B, T, V) from the model on input_ids (B, T). The logits are divided by the sampling
     temperature first, because the inference logprobs are those of the distribution actually sampled
     from; without it the ratio at temperature != 1 would not be 1 on-policy.
-    `mask` (B, T), when given, limits the work to those tokens (the loss tokens): the float32 copies of
-    the logits that a log-softmax needs are then (loss tokens, V) rather than (B, T, V), which with a
-    150k-token vocabulary is most of a GPU's memory.
+    `mask` (B, T), when given, limits the work to those tokens. Training does not take this path: it scores
+    tokens through lib/head.py, chunk by chunk, without logits over the vocabulary; the sync probe (a few
+    tokens) and the tests use this plain definition.
     In packed rows the first token of each sample gets a meaningless value (it is predicted from the
     previous sample); it is a prompt token, outside the loss mask.
     """
@@ -58,8 +58,9 @@ def token_logp(logits, input_ids, temperature: float = 1.0, mask=None):
 def entropy(logits, temperature: float = 1.0, mask=None, chunk: int = 4096):
     """Entropy of the next-token distribution that produced each token, aligned like token_logp.
 
-    A metric only: computed without gradient, on `mask` tokens only when given, `chunk` tokens at a
-    time (it needs three float32 (tokens, V) tensors). logits: (B, T, V) -> (B, T), position 0 gets 0.
+    The plain definition that lib/head.py's chunked entropy (rl.py's metric) is tested against: computed
+    without gradient, on `mask` tokens only when given, `chunk` tokens at a time. logits: (B, T, V) -> (B, T),
+    position 0 gets 0.
     """
     import torch
 

@@ -129,6 +129,7 @@ def load_trainable(
     import torch
 
     from lib import dist
+    from lib.head import use_chunked_head
     from lib.packing import use_packed_attention
 
     # bf16 compute on CUDA over float32 master weights, unless float32 was asked for explicitly.
@@ -151,6 +152,7 @@ def load_trainable(
             target_modules=list(lora.target_modules),
         )
         model = peft.get_peft_model(model, adapters)
+    use_chunked_head(model)  # training scores tokens without (tokens, vocabulary) logits (lib/head.py)
     model.train()
     if world_size > 1:
         dist.shard(model, bf16=bf16_compute)

@@ -127,8 +127,9 @@ def main(cfg: Config) -> dict:
     from lib.checkpoint import drop_newer, load_checkpoint, open_run, save_checkpoint, save_weights
     from lib.config import to_dict
     from lib.evaluation import Evaluator, split_held_out
+    from lib.head import next_token_scores
     from lib.log import RunLog
-    from lib.loss import entropy, policy_loss, token_logp, token_share
+    from lib.loss import policy_loss, token_share
     from lib.model import check_model_name, load_tokenizer, load_trainable, resolve_device
     from lib.optim import build_optimizer, optimizer_step
     from lib.packing import rl_micro_batches
@@ -298,18 +299,16 @@ def main(cfg: Config) -> dict:
             sums = {"loss": 0.0, "entropy": 0.0}
             for mb in rank_micro_batches if num_loss_tokens else []:
                 mb = mb.to(device)
-                with autocast():
-                    logits = model(
-                        input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False
-                    ).logits
-                logp = token_logp(logits, mb.input_ids, temperature, mb.loss_mask)  # (R, T)
+                with autocast():  # (R, T) each: no logits over the vocabulary (lib/head.py)
+                    logp, token_entropy = next_token_scores(
+                        model, mb.input_ids, mb.position_ids, mb.loss_mask, temperature
+                    )
                 loss, metrics = policy_loss(
                     logp, mb.inference_logp, mb.advantages, mb.loss_mask, num_loss_tokens, cfg.loss
                 )
                 # FSDP averages gradients over ranks; the loss is already this rank's share of the mean.
                 (loss * world_size).backward()
                 sums["loss"] += loss.item()
-                token_entropy = entropy(logits, temperature, mb.loss_mask)
                 sums["entropy"] += token_share(token_entropy, mb.loss_mask, num_loss_tokens).item()
                 for name, value in metrics.items():
                     sums[name] = sums.get(name, 0.0) + value.item()

@@ -94,12 +94,12 @@ def main(cfg: Config) -> dict:
     import time
 
     import torch
-    import torch.nn.functional as F
 
     from lib import dist
     from lib.checkpoint import load_checkpoint, open_run, save_checkpoint, save_weights
     from lib.config import to_dict
     from lib.data import batch_indices, load_conversations, tokenize_all
+    from lib.head import token_scores
     from lib.log import RunLog
     from lib.model import check_model_name, load_tokenizer, load_trainable, resolve_device
     from lib.optim import build_optimizer, optimizer_step
@@ -180,11 +180,10 @@ def main(cfg: Config) -> dict:
                     tokenizer.pad_token_id,
                 )
                 input_ids, position_ids, targets = (t.to(device) for t in rows)  # (R, L) each
-                with autocast():
-                    output = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-                logits = output.logits  # (R, L, V)
                 trained = targets != IGNORE
-                token_loss = F.cross_entropy(logits[trained].float(), targets[trained], reduction="sum")
+                with autocast():  # no logits over the vocabulary (lib/head.py)
+                    logp, _ = token_scores(model, input_ids, position_ids, targets.clamp(min=0), trained)
+                token_loss = -logp.sum()  # the cross-entropy of the assistant tokens
                 # FSDP averages gradients over ranks; this loss is already a mean over all ranks' tokens.
                 (token_loss * world_size / loss_tokens).backward()
                 loss_sum += token_loss.item()

@@ -396,14 +396,16 @@ def test_three_turn_alphabet_sort_runs_end_to_end_and_warns_when_flat(tiny_dir, 
 
 
 def test_two_cpu_processes_match_one_on_the_same_batches(tiny_dir, server, tmp_path, monkeypatch):
-    from replay_rl import ReplayProducer
+    from replay_rl import REPLAY_CHUNK_TOKENS, ReplayProducer
     from safetensors.torch import load_file
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    import lib.head
     import lib.rollouts
 
     flags = ["--steps", "2", "--micro-batch-size", "1", "--seq-len", "64", "--max-async-level", "0"]
     monkeypatch.setattr(lib.rollouts, "Producer", ReplayProducer)
+    monkeypatch.setattr(lib.head, "CHUNK_TOKENS", REPLAY_CHUNK_TOKENS)  # the output layer in several chunks
     one = rl.main(rl_config(tiny_dir, tmp_path / "one", server.url, *flags))
     port = str(inference.free_port())  # other test runs may share this machine
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port]
