@@ -203,7 +203,8 @@ def main(cfg: Config) -> dict:
 
         # -------------------------------------------------------- weight sync
         probe_prompt = tokenizer.encode(sync.PROBE_TEXT, add_special_tokens=False)
-        tolerance = cfg.inference.probe_tolerance or (1e-3 if save_dtype == torch.float32 else 0.05)
+        bf16_tolerance = sync.BF16_PROBE_TOLERANCE
+        tolerance = cfg.inference.probe_tolerance or (1e-3 if save_dtype == torch.float32 else bf16_tolerance)
 
         def publish(version: int, when: str) -> tuple[float, float]:
             """Writes weights/step_N, has every server load it and checks that each serves it (lib/sync.py);
