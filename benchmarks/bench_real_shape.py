@@ -4,8 +4,8 @@ a bf16 server (the builtin engine and vLLM's CPU build), rl.py for a few steps o
 Per engine and pause mode, rl.py runs in a child process attached to a server this script starts in
 bfloat16 (the trainer keeps float32 weights, so the probe runs at the bf16 tolerance). Per step it prints
 the rollout and train seconds, the sync split into the pause (its wait for in-flight completions), the
-write of weights/step_N, the servers' load and the probe, the bytes written, trainer and server peak RSS
-(sampled every 0.2 s) and the probe's mean |logprob difference|. The recipe's batch is 8 x 16 rollouts of
+write of weights/step_N, the servers' load and the probe, the bytes written, the probe's mean |logprob
+difference|, and the trainer's and the server's peak RSS during the step (sampled every 0.2 s). The recipe's batch is 8 x 16 rollouts of
 up to 128 tokens; the default here is 2 x 4, and the rollout seconds scale about with the tokens generated.
 
 Usage:
@@ -75,7 +75,9 @@ def child(args) -> None:
         began = time.perf_counter()
         path = save_weights(*a, **k)
         written = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
-        syncs.append({"write_s": time.perf_counter() - began, "bytes": written})
+        # The peaks since the last sync: the step's rollouts and training (the start's: loading the model).
+        step_peaks = {f"{name}_peak": peaks.pop(name, 0) for name in ("trainer", "server")}
+        syncs.append({"write_s": time.perf_counter() - began, "bytes": written, **step_peaks})
         return path
 
     checkpoint.save_weights = save_and_start
@@ -108,7 +110,10 @@ def child(args) -> None:
                 }
             )
         )
-    print("PEAKS " + json.dumps(peaks), flush=True)
+    print(
+        "PEAKS "
+        + json.dumps({name: max(s.get(f"{name}_peak", 0) for s in syncs) for name in ("trainer", "server")})
+    )
 
 
 def rehearse(engine: str, pause_mode: str, model: Path, root: Path, args) -> tuple[list[dict], dict, float]:
@@ -173,7 +178,7 @@ def main() -> None:
             f"{args.examples} x {args.rollouts} rollouts of up to {args.max_tokens} tokens, {args.steps} steps"
         )
         head = f"{'engine':6} {'pause':5} {'step':>4} {'rollout':>8} {'train':>7} {'sync':>6} {'(pause':>7}"
-        head += f" {'write':>6} {'load':>6} {'probe)':>7} {'GB out':>7} {'probe diff':>10}"
+        head += f" {'write':>6} {'load':>6} {'probe)':>7} {'GB out':>7} {'probe diff':>10} {'RSS GiB: trainer':>16} {'server':>6}"
         for engine in args.engines:
             for pause_mode in args.pause_modes:
                 steps, peaks, started = rehearse(engine, pause_mode, model, root, args)
@@ -189,7 +194,8 @@ def main() -> None:
                         f"{engine:6} {pause_mode:5} {s['step']:4} {s['rollout_s']:8.1f} {s['train_s']:7.1f} "
                         f"{s['sync_s']:6.1f} {s.get('pause_s', 0):7.2f} {s.get('write_s', 0):6.2f} "
                         f"{s.get('load_s', 0):6.2f} {s.get('probe_s', 0):7.2f} {s.get('bytes', 0) / 1e9:7.2f} "
-                        f"{s['probe_difference']:10.4f}"
+                        f"{s['probe_difference']:10.4f} {s.get('trainer_peak', 0) / GIB:16.1f} "
+                        f"{s.get('server_peak', 0) / GIB:6.1f}"
                     )
 
 
