@@ -1,5 +1,5 @@
 """Weight sync against the builtin server (lib/sync.py): a failed reload resumes the server and names it,
-the probe's verdicts, rollouts too long for a training row, the weights' label."""
+the probe's verdicts, rollouts too long for a training row, the weights' label, a tied output layer refreshed."""
 
 import shutil
 import sys
@@ -10,7 +10,7 @@ import pytest
 from conftest import ROOT, load_script
 
 from lib import inference, sync
-from lib.config import parse
+from lib.config import UserError, parse
 
 rl = load_script("rl")
 sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
@@ -114,3 +114,44 @@ def test_a_server_with_a_longer_context_is_asked_for_rollouts_that_fit_a_trainin
     assert len(result["history"]) == 3
     assert [(m["rollouts/too_long"], m["rollouts/errors"]) for m in result["history"]] == [(0, 0)] * 3
     assert "serves sequences of up to 2048 tokens, more than seq_len 64" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_tied_model_has_its_output_layer_refreshed_after_each_reload(tied, tmp_path, monkeypatch):
+    """vLLM's CPU build keeps a packed copy of a tied output layer (lib/vllm.py TiedOutputLayer); a server
+    without that method stops the run with one sentence that says how to start it."""
+    import json
+
+    weights = tmp_path / "step_1"
+    weights.mkdir()
+    (weights / "config.json").write_text(json.dumps({"tie_word_embeddings": tied}))
+    (weights / "model.safetensors").write_bytes(b"")
+    calls = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else {}
+        calls.append((request.url.path, body.get("method")))
+        if body.get("method") == "refresh_tied_output_layer":  # vLLM's words for a method it lacks
+            return httpx.Response(
+                500, json={"error": "Method 'refresh_tied_output_layer' is not implemented."}
+            )
+        return httpx.Response(200, json={"success": True})
+
+    client = httpx.Client
+    monkeypatch.setattr(
+        sync.httpx, "Client", lambda **kw: client(transport=httpx.MockTransport(answer), **kw)
+    )
+    if not tied:
+        sync.reload_weights(["http://server:1/v1"], weights, None, "step_1")
+        assert ("/collective_rpc", "reload_weights") in calls and (
+            "/collective_rpc",
+            "refresh_tied_output_layer",
+        ) not in calls
+        return
+    with pytest.raises(UserError) as stopped:
+        sync.reload_weights(["http://server:1/v1"], weights, None, "step_1")
+    assert "--worker-extension-cls lib.vllm.TiedOutputLayer" in str(stopped.value) and "\n" not in str(
+        stopped.value
+    )
+    order = [path if method is None else method for path, method in calls]
+    assert order[:3] == ["/pause", "reload_weights", "refresh_tied_output_layer"] and order[-1] == "/resume"
