@@ -60,8 +60,8 @@ class Config:
     rollouts_per_example: int = 16
     """Group size for the group-relative advantage."""
     # 8 x 4096 = 32k tokens a forward. The output layer runs in 1024-token chunks (lib/head.py: ~2 GB at
-    # Qwen's 151,936-row vocabulary whatever the rows; full float32 logits were ~4 x 2.3 GB per 1k tokens,
-    # ~75 GB here), so activations bound it: ~1 MB a token at Qwen3-0.6B in bf16, 31 GB (the 4B preset takes 2).
+    # Qwen's 151,936-row vocabulary whatever the rows; full float32 logits were ~4 x 0.6 GB per 1k tokens,
+    # ~80 GB here), so activations bound it: ~1 MB a token at Qwen3-0.6B in bf16, 31 GB (the 4B preset takes 2).
     micro_batch_size: int = 8
     """Packed rows per forward/backward on one rank."""
     seq_len: int = 4096
