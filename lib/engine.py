@@ -62,6 +62,40 @@ def read_weights(model, directory: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def read_adapter(model, directory: Path, max_rank: int) -> dict[str, torch.Tensor]:
+    """A PEFT LoRA directory (adapter_config.json, adapter_model.safetensors) as what it adds to the
+    model's weights, {weight name: alpha / r x B @ A} in float32, checked against the model."""
+    import json
+
+    from safetensors.torch import load_file
+
+    config = json.loads((directory / "adapter_config.json").read_text())
+    rank, alpha = config["r"], config["lora_alpha"]
+    if rank > max_rank:
+        raise UserError(
+            f"{directory}: LoRA rank {rank} is more than the server's --max-lora-rank {max_rank}."
+        )
+    if config.get("use_dora") or config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise UserError(
+            f"{directory}: only plain LoRA is served (no DoRA, one rank and alpha for every layer)."
+        )
+    scale = alpha / (rank**0.5 if config.get("use_rslora") else rank)
+    tensors = load_file(directory / "adapter_model.safetensors")
+    shapes = {name: param.shape for name, param in model.named_parameters()}
+    deltas = {}
+    for key, lora_a in tensors.items():
+        if key.endswith(".lora_A.weight"):
+            module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            lora_b = tensors.get(key.replace(".lora_A.", ".lora_B."))
+            name = f"{module}.weight"
+            if lora_b is None or shapes.get(name) != (lora_b.shape[0], lora_a.shape[1]):
+                raise UserError(f"{directory} does not fit the served model ({module}).")
+            deltas[name] = scale * (lora_b.float() @ lora_a.float())
+    if not deltas or 2 * len(deltas) != len(tensors):
+        raise UserError(f"{directory} holds other tensors than LoRA's A and B of linear layers.")
+    return deltas
+
+
 class Engine:
     """Owns the model, the tokenizer and the worker thread; `submit` is safe to call from any thread.
 
@@ -96,6 +130,8 @@ class Engine:
         )
         self.decoder = Decoder(self.model, hf_tokenizer.pad_token_id or 0, self.tokenizer.decode, seed)
         self.reloads = 0
+        # The weights an adapter was merged into, by name: a new adapter replaces the old one's sum.
+        self._base: dict[str, torch.Tensor] = {}
         # The weights' label, as in vLLM: "default" at start, changed only by a client (POST
         # /update_weight_version); each sequence reports which label produced which of its tokens.
         self.weight_version = "default"
@@ -190,21 +226,42 @@ class Engine:
         """
         with self._reload_lock:
             tensors = read_weights(self.model, Path(directory))  # read before waiting: the pause stays short
-            with self._cond:
-                self._reloading = True
-                self._cond.wait_for(self._settled)
-            try:
-                state = self.model.state_dict()
-                with torch.no_grad():
-                    for name, tensor in tensors.items():
-                        state[name].copy_(tensor)
-                self.reloads += 1
-            finally:
-                with self._cond:
-                    self._reloading = False
-                    self._cond.notify_all()
+            self._swap(tensors)
+            self._base = {}  # the new weights are what the next adapter adds to
             log.info("loaded weights from %s (reload %d)", directory, self.reloads)
             return self.reloads
+
+    def load_adapter(self, directory: str | Path, max_rank: int) -> int:
+        """Serves the base weights plus the LoRA adapter in `directory`, merged, in place of any adapter
+        loaded before (as `reload`, between two decode steps). vLLM keeps the adapter apart, so its base
+        model name still answers with the base weights; here every name gets the merged ones."""
+        with self._reload_lock:
+            deltas = read_adapter(self.model, Path(directory), max_rank)
+            params = dict(self.model.named_parameters())
+            for name in deltas.keys() - self._base.keys():
+                self._base[name] = params[name].detach().clone()
+            tensors = {
+                name: (base.float() + deltas[name]).to(base.dtype) if name in deltas else base
+                for name, base in self._base.items()  # a layer the new adapter leaves out goes back to base
+            }
+            self._swap(tensors)
+            log.info("loaded LoRA adapter %s (reload %d)", directory, self.reloads)
+            return self.reloads
+
+    def _swap(self, tensors: dict[str, torch.Tensor]) -> None:
+        with self._cond:
+            self._reloading = True
+            self._cond.wait_for(self._settled)
+        try:
+            state = self.model.state_dict()
+            with torch.no_grad():
+                for name, tensor in tensors.items():
+                    state[name].copy_(tensor)
+            self.reloads += 1
+        finally:
+            with self._cond:
+                self._reloading = False
+                self._cond.notify_all()
 
     def close(self) -> None:
         with self._cond:

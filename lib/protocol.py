@@ -166,6 +166,12 @@ class GenerateRequest(BaseModel):
     content_parts: list[dict[str, Any]] | None = None
 
 
+class LoraRequest(BaseModel):
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False
+
+
 class RpcRequest(BaseModel):
     method: str
     args: list[Any] = Field(default_factory=list)
@@ -191,15 +197,17 @@ def error(status: int, message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse({"error": body}, status_code=status)
 
 
-def model_card(served_model_name: str, root: str, max_model_len: int, created: int) -> dict:
-    """The served model as GET /v1/models lists it (with vLLM's `max_model_len`)."""
+def model_card(
+    served_model_name: str, root: str, max_model_len: int, created: int, parent: str | None = None
+) -> dict:
+    """The served model (or a LoRA adapter on `parent`) as GET /v1/models lists it (with vLLM's `max_model_len`)."""
     return {
         "id": served_model_name,
         "object": "model",
         "created": created,
         "owned_by": "plainrl",
         "root": root,
-        "parent": None,
+        "parent": parent,
         "max_model_len": max_model_len,
         # vLLM lists one model_permission object here, which nothing reads: the key stays, empty.
         "permission": [],

@@ -23,6 +23,7 @@ from lib.protocol import (
     ChatRequest,
     CompletionRequest,
     GenerateRequest,
+    LoraRequest,
     RpcRequest,
     chat_choice,
     chat_chunks,
@@ -37,12 +38,19 @@ from lib.protocol import (
 
 
 def build_app(
-    engine: Engine, served_model_name: str, api_key: str | None, weights_root: Path, max_logprobs: int = 20
+    engine: Engine,
+    served_model_name: str,
+    api_key: str | None,
+    weights_root: Path,
+    max_logprobs: int = 20,
+    max_lora_rank: int = 0,
 ) -> FastAPI:
-    """The FastAPI app serving `engine` under `served_model_name`."""
+    """The FastAPI app serving `engine` under `served_model_name` (and a LoRA adapter's name once one is
+    loaded, when `max_lora_rank` > 0)."""
     app = FastAPI(title="plainrl builtin engine")
     weights_root = Path(weights_root).expanduser().resolve()
     fingerprint = f"plainrl-builtin-{secrets.token_hex(4)}"
+    adapters: dict[str, str] = {}  # loaded LoRA adapters: name -> directory
     if api_key:
         expected_header = f"Bearer {api_key}".encode()
 
@@ -75,9 +83,11 @@ def build_app(
     async def internal_error(request, exc: Exception):
         return error(500, f"internal error: {exc!r}")
 
-    def check_model(name: str | None) -> None:
-        if name and name != served_model_name:
+    def check_model(name: str | None) -> str:
+        """The name an answer reports: the requested one (an adapter's included), else the served model's."""
+        if name and name != served_model_name and name not in adapters:
             raise HTTPException(404, f"The model `{name}` does not exist.")
+        return name or served_model_name
 
     def check_logprobs(k: int | None, name: str) -> int:
         if k is not None and k > max_logprobs:
@@ -94,10 +104,11 @@ def build_app(
 
     @app.get("/v1/models")
     async def models():
-        card = model_card(
-            served_model_name, engine.model.name_or_path, engine.max_model_len, int(time.time())
-        )
-        return {"object": "list", "data": [card]}
+        created = int(time.time())
+        cards = [model_card(served_model_name, engine.model.name_or_path, engine.max_model_len, created)]
+        for name, directory in adapters.items():  # as vLLM lists them: root its path, parent the base
+            cards.append(model_card(name, directory, engine.max_model_len, created, served_model_name))
+        return {"object": "list", "data": cards}
 
     # ------------------------------------------------------------ generation
     # Sampling defaults are OpenAI's (temperature 1, top_p 1, no top-k), not the model's
@@ -136,7 +147,7 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions_route(body: CompletionRequest):
-        check_model(body.model)
+        model = check_model(body.model)
         prompt = body.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
@@ -154,7 +165,7 @@ def build_app(
             for j, completion in enumerate(completions)
         ]
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time())}
-        head["model"] = served_model_name
+        head["model"] = model
         total = usage(sum(len(ids) for ids in prompts), [c for completions in results for c in completions])
         if body.stream:
             chunks = [{**head, "choices": [c]} for c in choices]
@@ -171,7 +182,7 @@ def build_app(
 
     @app.post("/inference/v1/generate")
     async def generate_tokens(body: GenerateRequest):
-        check_model(body.model)
+        model = check_model(body.model)
         if body.features or body.content_parts:
             raise UserError("the builtin engine serves text-only prompts (no features or content_parts).")
         if body.stream:
@@ -183,7 +194,7 @@ def build_app(
         k = top if sampling.logprobs is not None else None
         response = {
             "request_id": f"generate-tokens-{body.request_id or uuid.uuid4().hex}",
-            "model": served_model_name,
+            "model": model,
             "created": int(time.time()),
             "usage": usage(len(body.token_ids), completions),
             "prompt_logprobs": None,
@@ -244,5 +255,23 @@ def build_app(
             raise UserError(f"weights_path {directory} is not a directory.")
         await asyncio.to_thread(engine.reload, directory)
         return {"results": [None]}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoraRequest):
+        if not max_lora_rank:  # vLLM mounts this route only with runtime LoRA updating on
+            raise HTTPException(404, "LoRA adapters are off on this server: start it with --max-lora-rank R.")
+        if body.lora_name in adapters and not body.load_inplace:
+            raise UserError(f"The lora adapter '{body.lora_name}' has already been loaded: set load_inplace.")
+        directory = Path(body.lora_path).expanduser().resolve()
+        if not directory.is_relative_to(weights_root):
+            raise HTTPException(403, f"lora_path must be under {weights_root}.")
+        if not (directory / "adapter_config.json").is_file():
+            raise UserError(f"lora_path {directory} holds no adapter_config.json.")
+        await asyncio.to_thread(engine.load_adapter, directory, max_lora_rank)
+        adapters.clear()  # one adapter at a time (vLLM: --max-loras 1): its weights replaced the last one's
+        adapters[body.lora_name] = str(directory)
+        return Response(
+            f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain"
+        )
 
     return app

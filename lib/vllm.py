@@ -12,6 +12,9 @@ What each flag is for:
 - `--enable-auto-tool-choice --tool-call-parser hermes`: chat answers to requests that offer tools
   carry the model's `<tool_call>` blocks as OpenAI `tool_calls` (the eval client needs them; the train
   client parses completions itself), as the builtin engine's do.
+- LoRA adapters loaded at run time (`max_lora_rank` > 0): `--enable-lora --max-lora-rank R --max-loras 1`
+  and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1` (environment), which mounts /v1/load_lora_adapter. vLLM takes
+  only some ranks (LORA_RANKS): R is rounded up to one.
 - CPU build: `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache; vLLM's own default is 4), from `cpu_kv_cache_gib`.
 - The API key goes in the environment (`VLLM_API_KEY`), which vLLM reads like `--api-key`, so it does
   not show in the process list. vLLM checks it on /v1 and /inference only: its dev routes are open,
@@ -31,6 +34,8 @@ import os
 import sys
 
 from lib.config import UserError
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py MaxLoRARanks
 
 
 @dataclasses.dataclass
@@ -87,6 +92,7 @@ def vllm_command(
     config: VllmConfig,
     max_logprobs: int = 20,
     max_model_len: int | None = None,
+    max_lora_rank: int = 0,
 ) -> list[str]:
     """The `vllm serve` argument list (the API key travels in the environment, see `vllm_environment`)."""
     command = ["vllm", "serve", model]
@@ -111,6 +117,13 @@ def vllm_command(
         command.append("--headless")
     command += ["--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", "--enable-scale-out"]
     command += ["--max-logprobs", str(max_logprobs), "--worker-extension-cls", "lib.vllm.TiedOutputLayer"]
+    if max_lora_rank:
+        if max_lora_rank > LORA_RANKS[-1]:
+            raise UserError(
+                f"vLLM serves LoRA adapters of rank {LORA_RANKS[-1]} at most, not {max_lora_rank}."
+            )
+        rank = min(r for r in LORA_RANKS if r >= max_lora_rank)
+        command += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "1"]
     if config.tool_call_parser and not config.headless:  # the API server parses chat answers
         command += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
     return command + list(config.extra_args)
@@ -139,11 +152,17 @@ class TiedOutputLayer:
 
 
 def vllm_environment(
-    api_key: str | None, config: VllmConfig | None = None, base: dict[str, str] | None = None
+    api_key: str | None,
+    config: VllmConfig | None = None,
+    base: dict[str, str] | None = None,
+    lora: bool = False,
 ) -> dict[str, str]:
-    """The environment `vllm serve` runs in: dev-mode routes on, the API key if any, the CPU build's KV cache."""
+    """The environment `vllm serve` runs in: dev-mode routes on, runtime LoRA loading if `lora`, the API
+    key if any, the CPU build's KV cache."""
     env = dict(os.environ if base is None else base)
     env["VLLM_SERVER_DEV_MODE"] = "1"
+    if lora:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     if config is not None and config.cpu_kv_cache_gib is not None:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kv_cache_gib)
     if api_key:

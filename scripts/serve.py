@@ -9,6 +9,8 @@ Both bind 127.0.0.1 unless --host says otherwise, and take $PLAINRL_API_KEY (or 
     curl -X POST $URL/pause?mode=wait
     curl -X POST $URL/collective_rpc -d '{"method": "reload_weights", "kwargs": {"weights_path": "outputs/run/weights/step_3"}}'
     curl -X POST $URL/resume
+A LoRA adapter (started with --max-lora-rank R; requests then name "policy-adapter" as their model):
+    curl -X POST $URL/v1/load_lora_adapter -d '{"lora_name": "policy-adapter", "lora_path": "outputs/run/weights/step_3", "load_inplace": true}'
 The builtin engine loads only directories under --weights-root (default outputs/) and reports the
 weights' label (POST /update_weight_version) in every /inference/v1/generate choice (`weight_versions`).
 
@@ -55,12 +57,17 @@ class Config:
     """Default sampling seed of the engine."""
     max_logprobs: int = 20
     """Most logprobs one request may ask for per token (top_logprobs, logprobs; vLLM: prompt_logprobs too), both engines."""
+    max_lora_rank: int = 0
+    """Take LoRA adapters of up to this rank at run time (POST /v1/load_lora_adapter, which rl.py's adapter
+    sync uses); 0 = off. vLLM: --enable-lora --max-lora-rank (rounded up to a rank vLLM takes) --max-loras 1."""
     vllm: VllmConfig = dataclasses.field(default_factory=VllmConfig)
     """vLLM-only settings."""
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
             raise UserError(f"port must be in 1..65535, got {self.port}.")
+        if self.max_lora_rank < 0:
+            raise UserError("max_lora_rank must be 0 (off) or positive.")
         if self.max_batch_size < 1 or self.max_logprobs < 0:
             raise UserError("max_batch_size must be at least 1 and max_logprobs at least 0.")
 
@@ -115,8 +122,9 @@ def main(cfg: Config) -> None:
             cfg.vllm,
             cfg.max_logprobs,
             cfg.max_model_len,
+            cfg.max_lora_rank,
         )
-        env = vllm_environment(api_key, cfg.vllm)
+        env = vllm_environment(api_key, cfg.vllm, lora=cfg.max_lora_rank > 0)
         shown = {k: v for k, v in env.items() if k.startswith("VLLM_") and k != "VLLM_API_KEY"}
         log.info("%s %s", " ".join(f"{k}={v}" for k, v in shown.items()), shlex.join(command))
         exec_vllm(command, env)
@@ -129,7 +137,9 @@ def main(cfg: Config) -> None:
     from lib.server import build_app
 
     engine = Engine(cfg.model, cfg.max_batch_size, cfg.max_model_len, cfg.seed)
-    app = build_app(engine, served_model_name, api_key, cfg.weights_root, cfg.max_logprobs)
+    app = build_app(
+        engine, served_model_name, api_key, cfg.weights_root, cfg.max_logprobs, cfg.max_lora_rank
+    )
     log.info(
         "serving %s on http://%s:%d/v1 (builtin engine on %s, weights root %s)",
         served_model_name,
