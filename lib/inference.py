@@ -20,6 +20,8 @@ from lib.model import ModelConfig
 ROOT = Path(__file__).resolve().parents[1]
 # How often the controller checks a server's /health while it waits on it (rollouts, a reload).
 HEALTH_EVERY_S = 5.0
+# The name a LoRA run's adapter is loaded under (in place, every step) and its requests ask for.
+ADAPTER_NAME = "policy-adapter"
 
 
 @dataclasses.dataclass
@@ -54,6 +56,11 @@ class InferenceConfig:
     follows every weight load; past it the run stops. None = 1e-3 when the trainer computes in float32
     (fp32 engines agree to ~1e-6), 0.25 in bfloat16 (provisional: bf16 engines differed by up to 0.125 at the
     Qwen3-0.6B shape on CPU, lib/sync.py BF16_PROBE_TOLERANCE)."""
+
+    lora_sync: Literal["adapter", "merged"] = "adapter"
+    """LoRA runs: adapter = each step writes the adapter alone (MBs) and the servers load it at run time
+    (/v1/load_lora_adapter; a started server gets --max-lora-rank); merged = the whole model, merged, is
+    written and reloaded, for servers run without LoRA."""
 
     def __post_init__(self):
         for url in self.urls:
@@ -256,8 +263,10 @@ def start_or_attach(
     api_key: str | None,
     cleanup: contextlib.ExitStack,
     log_main=print,
+    lora_rank: int = 0,
 ) -> tuple[list[str], list[str], Server | None]:
-    """rl.py's servers: attaches to config.urls, or starts one on model.name (`cleanup` stops it). Returns
+    """rl.py's servers: attaches to config.urls, or starts one on model.name (`cleanup` stops it), taking
+    LoRA adapters of `lora_rank` at run time when that is > 0. Returns
     their base URLs, the model name each answers to, and the started server (None when attached), and
     writes run_dir/provenance.json. `trainer_dtype` is what the trainer saves ("float32", "bfloat16"),
     `model_limit` the model's own context length."""
@@ -288,6 +297,7 @@ def start_or_attach(
                 # No episode longer than the trainer's rows, nor than the model's own context: the model's
                 # limit (262k tokens for some) would ask for more KV cache than a shared GPU has.
                 *("--max-model-len", str(min(seq_len, model_limit))),
+                *("--max-lora-rank", str(lora_rank)),
             ],
             threads=threads,
         )
@@ -296,6 +306,8 @@ def start_or_attach(
     # An attached server may serve the starting point under another name (the hub id it was started
     # with, say): requests use that name, and it gets the run's weights at the first reload.
     names = [served_model(url, api_key) if config.urls else model.name for url in urls]
+    if lora_rank:  # requests name the adapter; the base weights must be the run's (the probe checks)
+        names = [ADAPTER_NAME] * len(urls)
     for url in urls:
         longest = model_card(url, api_key).get("max_model_len") or 0
         if longest > seq_len:

@@ -1,4 +1,5 @@
-"""Weight sync from the controller's side: make every server load weights/step_N, and check it serves them."""
+"""Weight sync from the controller's side: make every server load weights/step_N (a full model, or a LoRA
+adapter), and check it serves them."""
 
 import dataclasses
 import json
@@ -28,7 +29,7 @@ BF16_PROBE_TOLERANCE = 0.25
 
 def likely_cause(error: ValueError, directory: Path) -> str:
     """Why a server could not load `directory` (run_dir/weights/step_N), from its answer."""
-    if "weights_path must be under" in str(error):  # the builtin engine's --weights-root refused it
+    if "_path must be under" in str(error):  # the builtin engine's --weights-root refused it
         return f"the server's --weights-root must contain the run directory {directory.parents[1]}"
     return (
         f"is {directory} visible on that server's machine? (several nodes need the run directory on a "
@@ -69,15 +70,37 @@ def post(http: httpx.Client, url: str, path: str, timeout: float = REQUEST_TIMEO
         raise UserError(
             f"the inference server {root} answered {path} with {response.status_code}: {response.text[:300]}"
         )
-    return response.json() if response.content else {}
+    if "json" not in response.headers.get("content-type", ""):
+        return {}  # /v1/load_lora_adapter answers in plain text, on vLLM too
+    return response.json()
 
 
-def check_weights_dir(directory: Path) -> None:
+def check_weights_dir(directory: Path, adapter: bool) -> None:
     """plainrl sends only complete weights directories it wrote (checkpoint.save_weights renames them into
     place whole); anything else is a bug, not a user error."""
-    assert (directory / "config.json").is_file() and any(directory.glob("*.safetensors")), (
-        f"{directory} is not a complete weights directory"
-    )
+    config = directory / ("adapter_config.json" if adapter else "config.json")
+    assert config.is_file() and any(directory.glob("*.safetensors")), f"{directory} is not complete"
+
+
+def load_adapter(http: httpx.Client, url: str, directory: Path, name: str) -> None:
+    """Loads the LoRA adapter in `directory` under `name`, in place of the one loaded before."""
+    body = {"lora_name": name, "lora_path": str(directory), "load_inplace": True}
+    try:
+        post(http, url, "/v1/load_lora_adapter", json=body)
+    except ValueError as error:
+        text = str(error)
+        # No route (vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING, the builtin engine without
+        # --max-lora-rank), or vLLM without --enable-lora, as against a path the server cannot read.
+        if not ('"Not Found"' in text or "adapters are off" in text or "enable" in text.lower()):
+            raise UserError(
+                f"{error}; the server could not load {directory}: {likely_cause(error, directory)}"
+            ) from None
+        rank = json.loads((directory / "adapter_config.json").read_text())["r"]
+        raise UserError(
+            f"{error}; the server could not load the LoRA adapter {directory}: start it with runtime LoRA "
+            f"(scripts/serve.py --max-lora-rank {rank}; plain vLLM: --enable-lora --max-lora-rank {rank} "
+            "--max-loras 1 and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1), or pass --inference.lora-sync merged"
+        ) from None
 
 
 def refresh_tied_output_layer(http: httpx.Client, url: str) -> None:
@@ -93,9 +116,15 @@ def refresh_tied_output_layer(http: httpx.Client, url: str) -> None:
 
 
 def reload_weights(
-    urls: list[str], directory: Path, api_key: str | None, label: str, pause_mode: str = "wait"
+    urls: list[str],
+    directory: Path,
+    api_key: str | None,
+    label: str,
+    pause_mode: str = "wait",
+    adapter: str | None = None,
 ) -> None:
-    """Makes every server serve `directory` under the label `label`, pausing it with `pause_mode`.
+    """Makes every server serve `directory` under the label `label`, pausing it with `pause_mode`: a full
+    model, or with `adapter` a LoRA adapter, loaded under that name (the base weights stay).
 
     A server that cannot take the weights or stops answering stops the run at once with one sentence
     naming it and the likely cause; rl.py's checkpoints stay as they were, so `--resume` continues once
@@ -107,8 +136,8 @@ def reload_weights(
     later tokens carry the new label and the new policy's logprobs, which the loss uses per token)."""
     assert pause_mode in ("wait", "keep"), f"unknown pause mode {pause_mode!r}"
     directory = Path(directory).resolve()
-    check_weights_dir(directory)
-    tied = json.loads((directory / "config.json").read_text()).get("tie_word_embeddings", False)
+    check_weights_dir(directory, adapter is not None)
+    tied = not adapter and json.loads((directory / "config.json").read_text()).get("tie_word_embeddings")
     rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(directory)}}
     with httpx.Client(headers=headers(api_key)) as http:
         for url in urls:
@@ -117,18 +146,22 @@ def reload_weights(
             # paused would hold every later request, an attached eval's too, forever.
             try:
                 post(http, url, f"/pause?mode={pause_mode}")
-                try:
-                    post(http, url, "/collective_rpc", json=rpc)
-                except ValueError as error:
-                    raise UserError(
-                        f"{error}; the server could not load {directory}: {likely_cause(error, directory)}"
-                    ) from None
+                if adapter:
+                    load_adapter(http, url, directory, adapter)
+                else:
+                    try:
+                        post(http, url, "/collective_rpc", json=rpc)
+                    except ValueError as error:
+                        raise UserError(
+                            f"{error}; the server could not load {directory}: {likely_cause(error, directory)}"
+                        ) from None
                 if tied:
                     refresh_tied_output_layer(http, url)
                 # vLLM 0.32 reports the label in every /inference/v1/generate choice as `weight_versions`,
                 # one span per label; the builtin engine does the same.
                 post(http, url, "/update_weight_version", json={"new_version": label})
-                # KV that old weights computed must not survive. vLLM keeps prefix-cached blocks that held
+                # KV that old weights computed must not survive (vLLM keys an adapter's prefix cache by its
+                # name, which stays the same from step to step). vLLM keeps prefix-cached blocks that held
                 # requests still use, so a plain /reset_prefix_cache answers success false and drops
                 # nothing; reset_running_requests=true preempts the held requests, which recompute their
                 # prompt and tokens so far under the new weights.

@@ -46,7 +46,7 @@ class Config:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     """AdamW and schedule."""
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
-    """LoRA (rank 0 = full); servers get merged weights."""
+    """LoRA (rank 0 = full); servers get the adapter alone, or merged weights (inference.lora_sync)."""
     inference: InferenceConfig = dataclasses.field(default_factory=InferenceConfig)
     """Inference servers."""
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
@@ -79,6 +79,8 @@ class Config:
     """Run directory: config.toml, tb/, weights/, checkpoints/, rollouts/."""
     checkpoint_every: int = 10
     """Resumable checkpoint every N steps (and at the end)."""
+    save_merged: bool = False
+    """LoRA adapter sync: write the merged model to weights/step_N/merged every step, not only the last."""
     keep_weights: int = 3
     """weights/step_N directories kept (at least 2: the servers may still read the previous one)."""
     keep_checkpoints: int = 2
@@ -127,7 +129,7 @@ def main(cfg: Config) -> dict:
     import torch
 
     from lib import dist, envs, inference, sync
-    from lib.checkpoint import drop_newer, load_checkpoint, open_run, save_checkpoint, save_weights
+    from lib.checkpoint import drop_newer, load_checkpoint, open_run, save_checkpoint, save_weights, servable
     from lib.config import to_dict
     from lib.evaluation import Evaluator, split_held_out
     from lib.head import next_token_scores
@@ -158,6 +160,8 @@ def main(cfg: Config) -> dict:
     optimizer, scheduler = build_optimizer(model.parameters(), cfg.optim, cfg.steps)
     # Inference logprobs are of the tempered distribution, the one sampled from.
     temperature = cfg.sampling.temperature
+    # LoRA: the adapter's name on the servers, None where they load the merged model.
+    adapter = inference.ADAPTER_NAME if cfg.lora.rank and cfg.inference.lora_sync == "adapter" else None
 
     start, task_index = 0, 0
     if cfg.resume and resume_from:
@@ -187,6 +191,7 @@ def main(cfg: Config) -> dict:
                 api_key,
                 cleanup,
                 log_main,
+                cfg.lora.rank if adapter else 0,
             )
             env = envs.load_env(cfg.env)
             tasks = envs.load_tasks(env, cfg.env)
@@ -213,10 +218,11 @@ def main(cfg: Config) -> dict:
             """Writes weights/step_N, has every server load it and checks that each serves it (lib/sync.py);
             returns the seconds it took and the largest mean |logprob difference| from the trainer."""
             began = time.perf_counter()
-            path = save_weights(run_dir, version, model, tokenizer, save_dtype, cfg.keep_weights)
+            merged, keep = cfg.save_merged or version == cfg.steps, cfg.keep_weights
+            path = save_weights(run_dir, version, model, tokenizer, save_dtype, keep, bool(adapter), merged)
             label, probes = f"step_{version}", []
             if is_main:
-                sync.reload_weights(urls, path, api_key, label, cfg.inference.pause_mode)
+                sync.reload_weights(urls, path, api_key, label, cfg.inference.pause_mode, adapter)
                 probes = [sync.probe(url, name, probe_prompt, api_key) for url, name in zip(urls, names)]
             probes = dist.scatter([probes] * world_size)  # every rank takes part in the trainer's forward
             differences = []
@@ -324,7 +330,7 @@ def main(cfg: Config) -> dict:
 
             # ---------------------------------------------------- weight sync and evaluation
             synced, probe_difference = publish(step_number, f"after step {step_number}")
-            weights = run_dir / "weights" / f"step_{step_number}"
+            weights = servable(run_dir / "weights" / f"step_{step_number}")
             if is_main:
                 producer.set_version(step_number)
             # The loop waits for the eval: the servers hold this step's weights until the next publish.

@@ -3,7 +3,8 @@
 
 One vLLM server (float32) serves the SFT output to eval.py and then to rl.py, which reloads it after each step.
 The model is tied like Qwen3-0.6B to 4B: vLLM's CPU build refreshes such an output layer only through
-lib/vllm.py's TiedOutputLayer, and the probe after each reload catches a server still on the old one.
+lib/vllm.py's TiedOutputLayer, and the probe after each reload catches a server still on the old one. It
+runs without runtime LoRA, so it also shows what a LoRA run says to such a server.
 """
 
 import json
@@ -16,7 +17,7 @@ from renderers.qwen3 import Qwen3Renderer
 from safetensors.torch import load_file
 
 from lib import envs, inference
-from lib.config import parse
+from lib.config import UserError, parse
 from lib.qwen import QwenConfig, write_qwen
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -69,6 +70,12 @@ def test_a_tied_qwen3_goes_sft_eval_rl_through_vllm_with_the_qwen3_renderer(
         rl_args += ["--env.id", "letter_taskset", "--examples-per-step", "2", "--rollouts-per-example", "4"]
         rl_args += ["--sampling.max-tokens", "16", "--max-async-level", "0", "--steps", "2"]
         result = rl.main(parse(rl.Config, rl_args))
+        # This server runs without runtime LoRA: a LoRA run stops at its first adapter load, in one sentence.
+        with pytest.raises(UserError) as stopped:
+            rl.main(parse(rl.Config, [*rl_args, "--output-dir", str(tmp_path / "lora"), "--lora.rank", "8"]))
+        message = str(stopped.value)
+        assert "answered /v1/load_lora_adapter with 404" in message and "--max-lora-rank 8" in message
+        assert "\n" not in message
 
     assert envs.renderer_name(str(warmed)) == "qwen3" and rendered_with, "rl.py did not render with qwen3"
     history = result["history"]

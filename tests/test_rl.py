@@ -26,7 +26,11 @@ sys.path.insert(0, str(FIXTURES))  # letter_taskset: a reward that varies even f
 def server(tiny_dir, tmp_path_factory):
     root = tmp_path_factory.getbasetemp()
     with inference.running_server(
-        str(tiny_dir), engine="torch", weights_root=root, log_path=root / "serve.log"
+        str(tiny_dir),
+        engine="torch",
+        weights_root=root,
+        log_path=root / "serve.log",
+        extra_args=["--max-lora-rank", "8"],  # LoRA runs load their adapter at run time
     ) as s:
         yield s
 
@@ -77,7 +81,16 @@ def test_the_server_rl_starts_gets_its_share_of_the_gpu_and_the_trainers_length(
             rl.main(config)
         served = parse(serve.Config, ["--model.name", str(tiny_dir), *started.value.args[0]])
         return vllm_command(
-            str(tiny_dir), "m", "127.0.0.1", 8000, "auto", 0, served.vllm, max_model_len=served.max_model_len
+            str(tiny_dir),
+            "m",
+            "127.0.0.1",
+            8000,
+            "auto",
+            0,
+            served.vllm,
+            20,
+            served.max_model_len,
+            served.max_lora_rank,
         )
 
     monkeypatch.setattr(inference, "start_server", start_server)
@@ -88,6 +101,11 @@ def test_the_server_rl_starts_gets_its_share_of_the_gpu_and_the_trainers_length(
     )  # the trainer's rows, not the model's limit
     command = vllm_flags("--seq-len", "4096")
     assert command[command.index("--max-model-len") + 1] == "2048"  # the tiny model's own limit is lower
+    assert "--enable-lora" not in command
+    # A LoRA run's server takes its adapter at run time, at a rank vLLM accepts (4 -> 8).
+    command = vllm_flags("--lora.rank", "4")
+    assert command[command.index("--enable-lora") + 1 :][:4] == ["--max-lora-rank", "8", "--max-loras", "1"]
+    assert "--enable-lora" not in vllm_flags("--lora.rank", "4", "--inference.lora-sync", "merged")
 
 
 def test_an_attached_server_may_serve_the_model_under_another_name(tiny_dir, server, tmp_path):

@@ -150,7 +150,7 @@ def test_a_lora_step_reaches_vllm_as_merged_weights(vllm_server, trained_tiny, t
     from lib import sync
 
     args = run_args(trained_tiny, tmp_path / "run", "--inference.urls", vllm_server.url, "--steps", "1")
-    args += ["--lora.rank", "4", "--optim.lr", "5e-2"]
+    args += ["--lora.rank", "4", "--optim.lr", "5e-2", "--inference.lora-sync", "merged"]
     result = rl.main(parse(rl.Config, args))
     assert result["history"][0]["sync/probe_logprob_difference"] < 1e-4  # vLLM serves what the trainer has
     # ... and that is not the base model: the probe's logprobs under the base weights differ.
