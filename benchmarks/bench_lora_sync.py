@@ -9,7 +9,8 @@ moves (as a step would move it); then rl.py's own calls run: checkpoint.save_wei
 or the merged model), sync.reload_weights (pause, load, label, cache reset, resume) and the probe, the
 server's logprobs against the trainer's. No training runs: at this shape it would not fit beside the server.
 
-Part 2: configs/tiny/rl.toml with --lora.rank 8 on the tiny model, rl.py starting its own builtin server,
+Part 2: configs/tiny/rl.toml with --lora.rank 8 on the tiny model (the tests' SFT-warmed one when
+outputs/test-cache has it, else an untrained one, whose groups are all flat), rl.py starting its own builtin server,
 the same steps with --inference.lora-sync adapter and merged; the mean step and sync seconds after step 1.
 
 Usage:
@@ -105,7 +106,10 @@ def tiny_preset(args, root: Path) -> None:
     from lib.tiny import write_tiny
 
     rl = load_script("rl")
-    model = write_tiny(root / "tiny")
+    # The tests' SFT-warmed tiny model when there is one (groups with a spread of rewards, so steps train).
+    warmed = sorted(ROOT.glob("outputs/test-cache/trained-tiny-*/weights/step_300"))
+    model = warmed[-1] if warmed else write_tiny(root / "tiny")
+    print(f"tiny model: {model}", flush=True)
     for mode in ("adapter", "merged"):
         flags = ["@", str(ROOT / "configs/tiny/rl.toml"), "--model.name", str(model), "--lora.rank", "8"]
         flags += ["--output-dir", str(root / f"tiny-{mode}"), "--steps", str(args.tiny_steps)]
