@@ -174,7 +174,7 @@ def rl_tokenizer(model):
 @pytest.mark.vllm
 def test_three_turn_alphabet_sort_trains_a_lora_adapter_through_vllm(vllm_server, trained_tiny, tmp_path):
     turns = '{"min_turns": 3, "max_turns": 3, "min_names_per_turn": 1, "max_names_per_turn": 2}'
-    args = run_args(trained_tiny, tmp_path / "run", vllm_server.url, "--steps", "2")
+    args = run_args(trained_tiny, tmp_path / "run", vllm_server.url, "--steps", "2", "--save-merged")
     args += ["--env.id", "alphabet_sort", "--env.args", turns, "--sampling.max-tokens", "16"]
     result = rl.main(parse(rl.Config, args))
     assert [m["rollouts/errors"] for m in result["history"]] == [0, 0]
@@ -183,6 +183,11 @@ def test_three_turn_alphabet_sort_trains_a_lora_adapter_through_vllm(vllm_server
     # The episodes went three turns: a completion holds up to the two later user turns.
     turns = [r["completion"].count("[user]") for r in records]
     assert len(records) >= 8 and 2 in turns and max(turns) == 2, records[0]
+    # --save-merged: every step has the merged model beside its adapter, not only the last one.
+    assert all(
+        (tmp_path / "run" / "weights" / f"step_{n}" / "merged" / "model.safetensors").is_file()
+        for n in (1, 2)
+    )
 
 
 @pytest.mark.parametrize("lora_server", ["torch"], indirect=True)
