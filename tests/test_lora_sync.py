@@ -43,7 +43,11 @@ def lora_server(request, trained_tiny, tmp_path_factory):
     """The base URL of a server of trained_tiny that takes LoRA adapters at run time: a builtin one, or
     the session's shared vLLM server (started with --max-lora-rank too)."""
     if request.param == "vllm":
-        yield request.getfixturevalue("vllm_server").url
+        url = request.getfixturevalue("vllm_server").url
+        # A LoRA run loads only its adapter: the base weights must be trained_tiny's, whatever an earlier
+        # test loaded into the shared server.
+        sync.reload_weights([url], trained_tiny, None, "default")
+        yield url
         return
     root = tmp_path_factory.getbasetemp()
     extra = ["--max-lora-rank", "8", "--model.dtype", "float32"]

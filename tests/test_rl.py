@@ -35,6 +35,14 @@ def server(tiny_dir, tmp_path_factory):
         yield s
 
 
+def on_base_weights(url: str, tiny_dir) -> None:
+    """Puts the shared server back on the tiny model's weights, as a LoRA run needs: it loads only its
+    adapter, on top of whatever the server holds, where a full run reloads every weight first."""
+    from lib import sync
+
+    sync.reload_weights([url], tiny_dir, None, "default")
+
+
 def rl_config(model, out, url, *extra):
     return parse(rl.Config, rl_config_args(model, out, url, *extra))
 
@@ -162,6 +170,7 @@ def test_lora_dropout_stays_out_of_the_probe(tiny_dir, server, tmp_path):
     # Dropout in the trainer's probe forward would score other weights than the server's: the run would
     # stop at the first probe after a step that moved the adapters.
     flags = ("--lora.rank", "8", "--lora.dropout", "0.5", "--optim.lr", "3e-2", "--max-async-level", "0")
+    on_base_weights(server.url, tiny_dir)
     result = rl.main(rl_config(tiny_dir, tmp_path / "run", server.url, *flags))
     assert all(m["sync/probe_logprob_difference"] < 1e-3 for m in result["history"]), result["history"]
 
@@ -426,6 +435,8 @@ def test_two_cpu_processes_match_one_on_the_same_batches(tiny_dir, server, tmp_p
     flags = ["--steps", "2", "--micro-batch-size", "1", "--seq-len", "64", "--max-async-level", "0", *lora]
     monkeypatch.setattr(lib.rollouts, "Producer", ReplayProducer)
     monkeypatch.setattr(lib.head, "CHUNK_TOKENS", REPLAY_CHUNK_TOKENS)  # the output layer in several chunks
+    if lora:
+        on_base_weights(server.url, tiny_dir)
     one = rl.main(rl_config(tiny_dir, tmp_path / "one", server.url, *flags))
     port = str(inference.free_port())  # other test runs may share this machine
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port]
