@@ -71,9 +71,16 @@ class EnvConfig:
     """How many dataset examples to use (-1 = all the taskset provides; an endless one is drawn as needed)."""
     seed: int = 0
     """Seed of the dataset order and of synthetic data."""
+    ratio: float = 1.0
+    """This environment's share of the draws in a mixture, relative to the others' ratios."""
+    mix: tuple[str, ...] = ()
+    """More environments for a mixture (rl.py, sft.py): one JSON object each with keys id, args (an object),
+    num_examples, seed, ratio, e.g. '{"id": "alphabet_sort", "ratio": 2}' (lib/mixture.py)."""
 
     def __post_init__(self):
         json_object(self.args, "env.args")
+        for entry in self.mix:
+            json_object(entry, "each env.mix entry")
         if self.num_examples == 0 or self.num_examples < -1:
             raise UserError("env.num_examples must be -1 (all) or positive.")
 
