@@ -18,6 +18,7 @@ checkpoint saves the draw count and every counter.
 import dataclasses
 import json
 import random
+import threading
 from pathlib import Path
 
 from lib.buffer import is_flat
@@ -62,6 +63,7 @@ class Mixture:
     def __init__(self, sources: list[Source], seed: int = 0, draws: int = 0):
         assert sources, "a mixture needs at least one environment"
         self.sources, self.seed, self.draws = sources, seed, draws
+        self.lock = threading.Lock()  # the producer's thread draws while the trainer's saves the state
 
     def choose(self, index: int) -> Source:
         """The source of draw `index`: a function of (seed, index) only."""
@@ -71,15 +73,18 @@ class Mixture:
         return random.Random(f"{self.seed}:{index}").choices(self.sources, weights)[0]
 
     def draw(self) -> tuple[Source, object]:
-        source = self.choose(self.draws)
-        self.draws += 1
-        source.count += 1
-        return source, source.tasks[source.count - 1]
+        with self.lock:
+            source = self.choose(self.draws)
+            self.draws += 1
+            source.count += 1
+            index = source.count - 1
+        return source, source.tasks[index]
 
     def state(self) -> dict:
         """What a checkpoint saves: draws so far (`task_index`, as single-environment runs always saved) and
         each environment's task counter."""
-        return {"task_index": self.draws, "env_tasks": {s.name: s.count for s in self.sources}}
+        with self.lock:
+            return {"task_index": self.draws, "env_tasks": {s.name: s.count for s in self.sources}}
 
     def restore(self, progress: dict, default_draws: int) -> None:
         """Continues from a checkpoint's state (checkpoints from before mixtures: `default_draws` draws)."""
