@@ -36,6 +36,8 @@ def run_arm(out: Path, minutes: float, flags: list[str]) -> None:
         except subprocess.TimeoutExpired:
             process.send_signal(signal.SIGINT)  # the rl.py process only: its server stops with it
             process.wait(timeout=600)
+    if process.returncode not in (0, 130):  # 130: stopped by the Ctrl-C
+        raise SystemExit(f"rl.py failed (exit {process.returncode}): see {out.with_suffix('.log')}")
 
 
 def evaluations(out: Path, started: float) -> dict[str, list[tuple[float, int, dict[str, float]]]]:

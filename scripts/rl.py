@@ -11,6 +11,8 @@ truncation exactly and the importance ratio would be biased (measured on-policy:
 (sampled, pass@k, greedy) at the start, every N steps and at the end. The loop waits for each eval, so
 it scores exactly step N's weights (the next publish comes after it) while the producer keeps sampling
 beside it; its cost is logged as eval/seconds. Runs write provenance.json and reward_curve.png too.
+Several environments (env.mix) are drawn by ratio, with metrics and evaluations per environment
+(lib/mixture.py); --filter-flat-groups replaces groups whose rewards are all equal (lib/rollouts.py).
 
 Usage:
     python scripts/rl.py @ configs/tiny/rl.toml                                     # CPU
