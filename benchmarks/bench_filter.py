@@ -1,9 +1,9 @@
 """The flat-group filter at equal wall-clock time: held-out reward against minutes, per environment.
 
-Runs scripts/rl.py twice, one after the other, each for the same --minutes (from its start, server
-start-up included): without --filter-flat-groups, then with it, both with --eval.every N on the same
+Runs scripts/rl.py twice, one after the other, each for the same --minutes of training (counted from
+the end of its first evaluation): without --filter-flat-groups, then with it, both with --eval.every N on the same
 held-out tasks. Each run is stopped by a Ctrl-C at the budget (it ends the step it is on). Prints, per
-environment, every evaluation's sampled reward against the minutes since the run started, then each
+environment, every evaluation's sampled reward against the minutes of training, then each
 run's gain over its own first evaluation and the filter's gain over the plain run at the last
 evaluation inside the budget, each with its standard error: paired by held-out task (the same tasks in
 both runs), the standard deviation of the per-task differences over sqrt(tasks). On the tiny model the
@@ -26,11 +26,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_arm(out: Path, minutes: float, flags: list[str]) -> None:
-    """rl.py with `flags` until `minutes` have passed, then a Ctrl-C (it checkpoints the step and stops)."""
+def run_arm(out: Path, minutes: float, flags: list[str]) -> float:
+    """rl.py with `flags` for `minutes` after its first evaluation (start-up and that evaluation are not
+    counted), then a Ctrl-C (it ends the step it is on and stops); returns when training started."""
     command = [sys.executable, str(ROOT / "scripts" / "rl.py"), *flags, "--output-dir", str(out)]
     with open(out.with_suffix(".log"), "w") as log:
         process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        while process.poll() is None and "eval at step 0" not in out.with_suffix(".log").read_text():
+            time.sleep(0.5)
+        started = time.time()
         try:
             process.wait(timeout=minutes * 60)
         except subprocess.TimeoutExpired:
@@ -38,10 +42,11 @@ def run_arm(out: Path, minutes: float, flags: list[str]) -> None:
             process.wait(timeout=600)
     if process.returncode not in (0, 130):  # 130: stopped by the Ctrl-C
         raise SystemExit(f"rl.py failed (exit {process.returncode}): see {out.with_suffix('.log')}")
+    return started
 
 
 def evaluations(out: Path, started: float) -> dict[str, list[tuple[float, int, dict[str, float]]]]:
-    """{environment: [(minutes since the start, step, {task id: mean sampled reward})]} of a run's evals."""
+    """{environment: [(minutes since `started`, step, {task id: mean sampled reward})]} of a run's evals."""
     found: dict[str, list] = {}
     for path in sorted(out.glob("eval/**/step_*/sampled.jsonl")):
         env = path.parent.parent.relative_to(out / "eval").as_posix() or "env"
@@ -53,6 +58,18 @@ def evaluations(out: Path, started: float) -> dict[str, list[tuple[float, int, d
         step = int(path.parent.name.removeprefix("step_"))
         found.setdefault(env, []).append(((path.stat().st_mtime - started) / 60, step, rewards))
     return {env: sorted(evals, key=lambda e: e[1]) for env, evals in found.items()}
+
+
+def flat_share(out: Path) -> str:
+    """Flat groups trained on nothing and groups replaced, per step, from the run's tensorboard."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tb"), size_guidance={"scalars": 0})
+    events.Reload()
+    flat, resampled = (
+        [e.value for e in events.Scalars(f"rollouts/{name}")] for name in ("flat_groups", "resampled")
+    )
+    return f"{len(flat)} steps, {sum(flat) / len(flat):.2f} flat groups and {sum(resampled) / len(flat):.2f} replaced a step"
 
 
 def gain(before: dict[str, float], after: dict[str, float]) -> tuple[float, float]:
@@ -79,10 +96,9 @@ def main() -> None:
         out = args.out / arm
         out.parent.mkdir(parents=True, exist_ok=True)
         subprocess.run(["rm", "-rf", str(out)], check=True)
-        started = time.time()
-        run_arm(out, args.minutes, [*common, *extra])
+        started = run_arm(out, args.minutes, [*common, *extra])
         results[arm] = evaluations(out, started)
-        print(f"{arm}: done in {(time.time() - started) / 60:.1f} min, log in {out.with_suffix('.log')}")
+        print(f"{arm}: {flat_share(out)}; log in {out.with_suffix('.log')}")
 
     budget = args.minutes
     print(

@@ -2,6 +2,7 @@
 per-environment metrics and evaluations on the tiny model."""
 
 import json
+import os
 import sys
 
 import pytest
@@ -138,43 +139,35 @@ def trained_draws(out, step) -> list[tuple[str, str]]:
     return sorted({(r["env"], r["task_id"]) for r in records})
 
 
-def test_a_stopped_and_resumed_mixture_run_continues_the_identical_draw_sequence(tiny_dir, server, tmp_path):
-    on_policy = ("--max-async-level", "0", "--checkpoint-every", "2")
-    whole = tmp_path / "whole"
-    mixture_run(tiny_dir, whole, server.url, "--steps", "4", *on_policy)
-    split = tmp_path / "split"
-    mixture_run(tiny_dir, split, server.url, "--steps", "2", *on_policy)
-    saved = json.loads((split / "checkpoints" / "step_2" / "progress.json").read_text())
-    mixture_run(tiny_dir, split, server.url, "--steps", "4", "--resume", *on_policy)
+def test_kill_9_and_resume_continues_the_identical_draw_sequence(tiny_dir, tmp_path):
+    from test_rl import FIXTURES, kill_at_step_6_then_resume, own_server_command
 
-    # The draw sequence both runs follow: draw i's environment and its task, by (seed, i) alone.
-    letters = [f"letter-{i}" for i in range(16)]
-    reverse = sorted(
-        {
-            r["task_id"]
-            for s in (1, 2, 3, 4)
-            for r in map(json.loads, (whole / "rollouts" / f"step_{s}.jsonl").open())
-            if r["env"] == "reverse_text"
-        }
-    )
-    expected = Mixture(
-        [Source("letter_taskset", None, letters, 3.0), Source("reverse_text", None, None, 1.0)]
-    )
-    sequence = [expected.choose(i).name for i in range(40)]
-    for step in (1, 2, 3, 4):  # on-policy: step n trains on draws 4(n-1) .. 4n-1
-        assert [env for env, _ in trained_draws(whole, step)] == sorted(sequence[4 * (step - 1) : 4 * step])
-    assert trained_draws(split, 1) == trained_draws(whole, 1) and trained_draws(split, 2) == trained_draws(
-        whole, 2
-    )
-    # The resumed run starts at the saved draw (the groups in flight at the stop are skipped, not replayed).
-    first = saved["task_index"]
-    assert 8 <= first <= 12 and sum(saved["env_tasks"].values()) == first
-    resumed = trained_draws(split, 3) + trained_draws(split, 4)
-    assert sorted(env for env, _ in resumed) == sorted(sequence[first : first + 8])
-    assert sorted(t for e, t in resumed if e == "letter_taskset") == sorted(
-        letters[saved["env_tasks"]["letter_taskset"] :][: sequence[first : first + 8].count("letter_taskset")]
-    )
-    assert reverse  # reverse_text was drawn and trained on
+    from lib.envs import load_env, load_tasks
+    from lib.tasks import task_id
+
+    reverse = '{"id": "reverse_text", "num_examples": 16}'
+    flags = ("--steps", "40", "--checkpoint-every", "4", "--max-async-level", "0", "--env.ratio", "3")
+    out = tmp_path / "run"
+    command = own_server_command(tiny_dir, out, *flags, "--env.mix", reverse)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{FIXTURES}"}
+    kill_at_step_6_then_resume(command, tmp_path, out, env)
+
+    # The sequence any run of this mixture follows: draw i's environment by (seed 0, i) alone, then that
+    # environment's next task (finite tasksets cycle).
+    config = EnvConfig(id="reverse_text", num_examples=16)
+    tasks = {
+        "letter_taskset": [f"letter-{i}" for i in range(16)],
+        "reverse_text": [task_id(t.data) for t in load_tasks(load_env(config), config)],
+    }
+    sequence = Mixture([Source(name, None, ids) for name, ids in tasks.items()])
+    sequence.sources[0].ratio = 3.0
+    saved = json.loads((out / "checkpoints" / "step_4" / "progress.json").read_text())
+    sequence.restore(saved, 0)
+    assert 8 <= saved["task_index"] <= 10 and sum(saved["env_tasks"].values()) == saved["task_index"]
+    for step in (5, 6, 7, 8):  # on-policy, 2 groups a step: the resumed run's step n plays the next 2 draws
+        draws = [sequence.draw() for _ in range(2)]
+        expected = sorted((source.name, task) for source, task in draws)
+        assert trained_draws(out, step) == expected, step
 
 
 def test_a_mixture_logs_reward_flat_groups_errors_tokens_and_evaluations_per_environment(
