@@ -16,34 +16,13 @@ checkpoint saves the draw count and every counter.
 """
 
 import dataclasses
-import json
 import random
 import threading
 from pathlib import Path
 
 from lib.buffer import is_flat
 from lib.config import UserError
-from lib.tasks import EnvConfig, TaskStream
-
-
-def env_configs(env: EnvConfig) -> list[EnvConfig]:
-    """The run's environments: `env` itself, then one per env.mix entry; ids must differ (metrics go by id)."""
-    configs = [dataclasses.replace(env, mix=())]
-    for text in env.mix:
-        entry = json.loads(text)  # EnvConfig checked it is a JSON object
-        args = entry.pop("args", {})
-        if not isinstance(args, dict):
-            raise UserError(f"env.mix entry {text}: args must be a JSON object.")
-        unknown = set(entry) - {"id", "num_examples", "seed", "ratio"}
-        if unknown or "id" not in entry:
-            raise UserError(
-                f"env.mix entry {text} needs an id and takes only id, args, num_examples, seed, ratio."
-            )
-        configs.append(EnvConfig(**entry, args=json.dumps(args)))
-    ids = [config.id for config in configs]
-    if len(set(ids)) < len(ids):
-        raise UserError(f"the environments of a mixture need different ids, got {', '.join(ids)}.")
-    return configs
+from lib.tasks import TaskStream, env_configs
 
 
 @dataclasses.dataclass
@@ -121,8 +100,6 @@ def load_mixture(cfg, url: str, model: str, api_key: str | None, out: Path, prog
             tasks = TaskStream(train, config.id)
             prefix, where = ("eval", out) if len(configs) == 1 else (f"eval/{config.id}", out / config.id)
             evaluators[prefix] = Evaluator(cfg, held_out, url, model, api_key, where, config, prefix)
-        if config.ratio <= 0:
-            raise UserError(f"environment {config.id}: ratio must be positive.")
         sources.append(Source(config.id, env, tasks, config.ratio))
     mixture = Mixture(sources, cfg.seed)
     mixture.restore(progress, progress.get("step", 0) * cfg.examples_per_step)

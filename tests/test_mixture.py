@@ -10,8 +10,8 @@ from conftest import ROOT, load_script, tensorboard_scalars, wandb_history
 
 from lib import inference
 from lib.config import UserError, parse, write_config
-from lib.mixture import Mixture, Source, env_configs
-from lib.tasks import EnvConfig
+from lib.mixture import Mixture, Source
+from lib.tasks import EnvConfig, env_configs
 
 rl = load_script("rl")
 sys.path.insert(0, str(ROOT / "tests" / "fixtures"))  # letter_taskset
@@ -89,11 +89,12 @@ def test_a_mixture_round_trips_through_a_preset_the_cli_and_the_written_config(t
         (['{"id": "alphabet_sort", "turns": 2}'], "takes only id, args"),
         (['{"id": "alphabet_sort", "args": "x"}'], "args must be a JSON object"),
         (["[1]"], "must be a JSON object"),
+        (['{"id": "alphabet_sort", "ratio": 0}'], "ratio must be positive"),
     ],
 )
-def test_a_bad_mixture_entry_is_one_sentence(mix, message):
+def test_a_bad_mixture_entry_is_one_sentence_before_any_heavy_work(mix, message):
     with pytest.raises(UserError, match=message):
-        env_configs(EnvConfig(mix=tuple(mix)))
+        EnvConfig(mix=tuple(mix))
 
 
 def test_sft_data_of_a_mixture_holds_each_environments_conversations():
