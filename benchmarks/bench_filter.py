@@ -56,7 +56,8 @@ def evaluations(out: Path, started: float) -> dict[str, list[tuple[float, int, d
             by_task.setdefault(record["task_id"], []).append(record["reward"])
         rewards = {task: statistics.fmean(values) for task, values in by_task.items()}
         step = int(path.parent.name.removeprefix("step_"))
-        found.setdefault(env, []).append(((path.stat().st_mtime - started) / 60, step, rewards))
+        minutes = max(0.0, path.stat().st_mtime - started) / 60  # the first one ends as the clock starts
+        found.setdefault(env, []).append((minutes, step, rewards))
     return {env: sorted(evals, key=lambda e: e[1]) for env, evals in found.items()}
 
 
