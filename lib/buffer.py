@@ -77,18 +77,25 @@ class StepBatch:
     num_too_long: int = 0
     """Rollouts dropped (whole groups, before their advantages, flat or not) because one of the group's
     rollouts was longer than seq_len; set by the producer: those dropped since the previous step."""
+    num_resampled: int = 0
+    """Flat groups the producer replaced by new ones since the previous step (filter_flat_groups)."""
 
     def metrics(self, env_id: str) -> dict[str, float]:
-        """The step's reward and rollout scalars, as logged."""
+        """The step's reward and rollout scalars, as logged; reward/<env> per environment of its rollouts
+        (`env_id` names those without one)."""
         rewards = [r.reward for group in self.groups for r in group]
         mean = sum(rewards) / len(rewards)
+        by_env: dict[str, list[float]] = {}
+        for r in (r for group in self.groups for r in group):
+            by_env.setdefault(r.env or env_id, []).append(r.reward)
         return {
             "reward/mean": mean,
             "reward/std": (sum((x - mean) ** 2 for x in rewards) / len(rewards)) ** 0.5,
-            f"reward/{env_id}": mean,
+            **{f"reward/{env}": sum(values) / len(values) for env, values in sorted(by_env.items())},
             "rollouts/flat_groups": self.num_flat_groups,
             "rollouts/stale_dropped": self.num_stale_rollouts,
             "rollouts/too_long": self.num_too_long,
+            "rollouts/resampled": self.num_resampled,
             "rollouts/staleness_mean": self.staleness_mean,
             "rollouts/staleness_max": self.staleness_max,
         }

@@ -53,7 +53,13 @@ def load_conversations(env) -> list[list[dict] | dict]:
     """Conversations from `env.id`: a .jsonl path, a Hugging Face dataset id (has a `/`), or a taskset id.
 
     A conversation is its list of messages, or {"messages": [...], "tools": [...]} when it offers tools.
+    A mixture (env.mix) gives every environment's conversations, each its own num_examples of them (the
+    ratios weigh RL's draws, not these), shuffled together by the batches' per-epoch order.
     """
+    if env.mix:
+        from lib.mixture import env_configs
+
+        return [conversation for config in env_configs(env) for conversation in load_conversations(config)]
     source = env.id
     if source.endswith(".jsonl"):
         path = Path(source)

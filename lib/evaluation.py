@@ -160,12 +160,29 @@ class Evaluator:
     """rl.py's evaluations of the held-out tasks on whatever weights the server at base_url holds:
     eval.py's client, records and summary; sampled (pass@k over rollouts_per_example) and greedy."""
 
-    def __init__(self, run_config, tasks: list, base_url: str, model: str, api_key: str | None, out: Path):
-        """run_config: rl.py's Config (its env, sampling and eval tables)."""
+    def __init__(
+        self,
+        run_config,
+        tasks: list,
+        base_url: str,
+        model: str,
+        api_key: str | None,
+        out: Path,
+        env=None,
+        prefix="eval",
+    ):
+        """run_config: rl.py's Config (its sampling and eval tables, and its env unless `env` is given, as a
+        mixture gives each of its environments); scalars are named `prefix`/reward and so on."""
         from lib.envs import load_env
 
         # Its own env, so its own serving session (in its own event loop), beside the producer's.
-        self.vf_env, self.tasks, self.base_url, self.model = load_env(run_config.env), tasks, base_url, model
+        self.vf_env, self.tasks, self.base_url, self.model = (
+            load_env(env or run_config.env),
+            tasks,
+            base_url,
+            model,
+        )
+        self.prefix = prefix
         self.sampling, self.cfg, self.api_key, self.out = run_config.sampling, run_config.eval, api_key, out
         self.history: list[tuple[int, dict]] = []
         """(step, eval/* scalars) of every evaluation so far."""
@@ -192,14 +209,16 @@ class Evaluator:
                 records = asyncio.run(while_healthy(work, self.base_url, self.api_key))
             summary = summarize(records, rollouts)
             if name == "greedy":
-                metrics["eval/reward_greedy"] = summary["avg_reward"]
+                metrics[f"{self.prefix}/reward_greedy"] = summary["avg_reward"]
                 continue
-            metrics["eval/reward"] = summary["avg_reward"]
-            metrics["eval/reward_std"] = summary["std_reward"]
-            metrics["eval/perfect_rate"] = summary["perfect_rate"]
-            metrics.update({f"eval/pass@{k}": v for k, v in summary["pass_at_k"].items() if int(k) > 1})
-            metrics["eval/completion_tokens"] = summary["avg_completion_tokens"]
-            metrics["eval/errors"] = summary["num_errors"]
-        metrics["eval/seconds"] = time.perf_counter() - began
+            metrics[f"{self.prefix}/reward"] = summary["avg_reward"]
+            metrics[f"{self.prefix}/reward_std"] = summary["std_reward"]
+            metrics[f"{self.prefix}/perfect_rate"] = summary["perfect_rate"]
+            metrics.update(
+                {f"{self.prefix}/pass@{k}": v for k, v in summary["pass_at_k"].items() if int(k) > 1}
+            )
+            metrics[f"{self.prefix}/completion_tokens"] = summary["avg_completion_tokens"]
+            metrics[f"{self.prefix}/errors"] = summary["num_errors"]
+        metrics[f"{self.prefix}/seconds"] = time.perf_counter() - began
         self.history.append((step, metrics))
         return metrics

@@ -10,13 +10,15 @@ import time
 from pathlib import Path
 
 from lib import envs, patches
-from lib.buffer import Buffer, Rollout, StepBatch
+from lib.buffer import Buffer, Rollout, StepBatch, is_flat
 from lib.config import UserError
 from lib.inference import HEALTH_EVERY_S
 from lib.tasks import task_id
 
 # A run stops when no group has succeeded for this long (and many have failed): nothing works.
 FAILURE_PATIENCE_S = 60.0
+# With the filter, flat groups replaced between two steps, in units of examples_per_step.
+RESAMPLE_LIMIT = 4
 
 
 class Producer:
@@ -35,37 +37,46 @@ class Producer:
     and a group with a rollout still longer (a multi-turn episode whose later prompt fills the row) is
     dropped whole before its advantages, counted as too long, and replaced like a failed one.
 
-    Tasks are drawn in order; `task_index` counts those started. A checkpoint saves it and a resumed run
-    starts there: the groups in flight at the kill (at most (max_async_level + 1) * examples_per_step)
-    are skipped, never replayed, and the counter works as well for an endless stream of tasks.
+    Tasks come from a Mixture (lib/mixture.py: one environment or several), which counts the draws and
+    each environment's tasks. A checkpoint saves its state and a resumed run starts there: the groups in
+    flight at the kill (at most (max_async_level + 1) * examples_per_step) are skipped, never replayed,
+    and the counters work as well for endless streams of tasks.
+
+    With `filter_flat_groups`, a group whose rewards are all equal (it teaches nothing) gives its slot
+    back for a new draw, within the same async budget, so steps train on groups with signal. At most
+    RESAMPLE_LIMIT * examples_per_step groups are replaced between two take()s (then flat groups pass, as
+    without the filter); take() reports the count as num_resampled. The trade-off: each replaced group
+    costs its sampling time, the step mix leans toward tasks of middling difficulty (too easy and too
+    hard ones are skipped, not learned from), and the draws depend on rewards, so a resume continues from
+    the saved counters but not the exact sequence an uninterrupted run would have drawn.
     """
 
     def __init__(
         self,
-        env,
-        tasks,
+        mixture,
         contexts: list,
         rollouts_per_example: int,
         examples_per_step: int,
         max_async_level: int,
         max_concurrent: int,
         normalize_advantage: bool,
-        env_name: str,
         start_version: int = 0,
-        start_index: int = 0,
         seq_len: int | None = None,
+        filter_flat_groups: bool = False,
     ):
-        assert tasks and contexts, "the producer needs examples and at least one server"
+        assert contexts, "the producer needs at least one server"
         if seq_len is not None:
             contexts = [
                 dataclasses.replace(c, sampling=c.sampling.model_copy(update={patches.SEQ_LEN_KEY: seq_len}))
                 for c in contexts
             ]
-        self.env, self.tasks, self.contexts, self.seq_len = env, tasks, contexts, seq_len
+        self.mixture, self.contexts, self.seq_len = mixture, contexts, seq_len
         self.group_size, self.examples_per_step = rollouts_per_example, examples_per_step
-        self.max_async_level, self.env_name = max_async_level, env_name
-        self.version, self.task_index = start_version, start_index
+        self.max_async_level, self.filter_flat_groups = max_async_level, filter_flat_groups
+        self.version = start_version
         self.started = start_version * examples_per_step  # groups started, counted in step units
+        self.num_resampled = 0  # flat groups replaced since the last take()
+        self.errors_by_env: dict[str, int] = {}
         self.num_errors = 0
         self.num_too_long = 0  # rollouts in groups dropped for a rollout longer than seq_len
         self.too_long_reported = 0  # of those, the ones a batch from take() already counted
@@ -110,6 +121,7 @@ class Producer:
                 self.num_too_long - self.too_long_reported,
                 self.num_too_long,
             )
+            batch.num_resampled, self.num_resampled = self.num_resampled, 0
             return batch
 
     def pop_errors(self) -> list[str]:
@@ -158,7 +170,9 @@ class Producer:
 
     async def _produce(self) -> None:
         try:
-            async with envs.serving(self.env):
+            async with contextlib.AsyncExitStack() as sessions:
+                for env in {id(s.env): s.env for s in self.mixture.sources}.values():
+                    await sessions.enter_async_context(envs.serving(env))
                 servers = itertools.cycle(self.contexts)
                 in_flight: set[asyncio.Task] = set()
                 while True:
@@ -167,10 +181,9 @@ class Producer:
                         self.wakeup.clear()
                         await self.wakeup.wait()
                         continue
-                    task = self.tasks[self.task_index]  # a TaskStream: drawn lazily, cycling a finite taskset
-                    self.task_index += 1
+                    source, task = self.mixture.draw()  # TaskStreams: drawn lazily, cycling finite tasksets
                     self.started += 1
-                    job = asyncio.create_task(self._group(task, next(servers)))
+                    job = asyncio.create_task(self._group(source, task, next(servers)))
                     in_flight.add(job)
                     job.add_done_callback(in_flight.discard)
                     await asyncio.sleep(0)
@@ -180,37 +193,37 @@ class Producer:
             self.failure = error
             raise
 
-    async def _group(self, task, context) -> None:
+    async def _group(self, source, task, context) -> None:
         """Plays one group; an exception outside the episodes (a bug in turning them into rollouts) ends
         the run through take(), with its traceback, rather than losing the group's slot in silence."""
         try:
-            await self._play_group(task, context)
+            await self._play_group(source, task, context)
         except asyncio.CancelledError:  # stop()
             raise
         except BaseException as error:
             self.failure = error
 
-    async def _play_group(self, task, context) -> None:
+    async def _play_group(self, source, task, context) -> None:
         async def one():
             async with self.semaphore:
                 # The weights live now serve the episode's first request: a group queued behind others
                 # may start on newer weights than were live when it was queued.
                 version = self.version
-                return version, await envs.run_episode(self.env, task, context)
+                return version, await envs.run_episode(source.env, task, context)
 
         try:
             episodes = await envs.gather_or_cancel(one() for _ in range(self.group_size))
         except Exception as error:  # a failing episode must not stop the run; it is counted and logged
-            self._error(f"{type(error).__name__}: {error}")
+            self._error(f"{type(error).__name__}: {error}", source.name)
             self._replace_failed_group()
             return
         group, num_episodes = [], 0
         for version, episode in episodes:
             rollouts, error = envs.training_samples(
-                episode, version, self.env_name, task_id(task.data), episode_index=num_episodes + 1
+                episode, version, source.name, task_id(task.data), episode_index=num_episodes + 1
             )
             if error:
-                self._error(error)
+                self._error(error, source.name)
             num_episodes += bool(rollouts)
             group += rollouts
         longest = max((len(r.token_ids) for r in group), default=0)
@@ -224,6 +237,11 @@ class Producer:
             self._replace_failed_group()
             return
         self.failed_in_a_row, self.last_success = 0, time.monotonic()
+        limit = RESAMPLE_LIMIT * self.examples_per_step
+        if self.filter_flat_groups and is_flat([r.reward for r in group]) and self.num_resampled < limit:
+            self.num_resampled += 1
+            self._give_slot_back()
+            return
         self.buffer.put(group)
 
     def _replace_failed_group(self) -> None:
@@ -252,17 +270,19 @@ class Producer:
         self.started -= 1
         self.wakeup.set()
 
-    def _error(self, message: str) -> None:
+    def _error(self, message: str, env: str = "") -> None:
         self.num_errors += 1
+        self.errors_by_env[env] = self.errors_by_env.get(env, 0) + 1
         self.last_error = message
         if len(self.errors) < 20:
             self.errors.append(message)
 
 
 def write_records(path: Path, groups: list[list[Rollout]]) -> None:
-    """One JSON line per rollout of the step: task id, prompt, completion, reward, advantage, policy version."""
+    """One JSON line per rollout of the step: environment, task id, prompt, completion, reward, advantage,
+    policy version."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fields = ("task_id", "prompt", "completion", "reward", "advantage", "policy_version")
+    fields = ("env", "task_id", "prompt", "completion", "reward", "advantage", "policy_version")
     with path.open("w") as out:
         for group in groups:
             for r in group:

@@ -71,15 +71,44 @@ class EnvConfig:
     """How many dataset examples to use (-1 = all the taskset provides; an endless one is drawn as needed)."""
     seed: int = 0
     """Seed of the dataset order and of synthetic data."""
+    ratio: float = 1.0
+    """This environment's share of the draws in a mixture, relative to the others' ratios."""
+    mix: tuple[str, ...] = ()
+    """More environments for a mixture (rl.py, sft.py): one JSON object each with keys id, args (an object),
+    num_examples, seed, ratio, e.g. '{"id": "alphabet_sort", "ratio": 2}' (lib/mixture.py)."""
 
     def __post_init__(self):
         json_object(self.args, "env.args")
+        if self.ratio <= 0:
+            raise UserError(f"environment {self.id}: ratio must be positive.")
+        if self.mix:
+            env_configs(self)  # a bad entry fails here, before any heavy work
         if self.num_examples == 0 or self.num_examples < -1:
             raise UserError("env.num_examples must be -1 (all) or positive.")
 
     @property
     def kwargs(self) -> dict:
         return json_object(self.args, "env.args")
+
+
+def env_configs(env: EnvConfig) -> list[EnvConfig]:
+    """The run's environments: `env` itself, then one per env.mix entry; ids must differ (metrics go by id)."""
+    configs = [dataclasses.replace(env, mix=())]
+    for text in env.mix:
+        entry = json_object(text, "each env.mix entry")
+        args = entry.pop("args", {})
+        if not isinstance(args, dict):
+            raise UserError(f"env.mix entry {text}: args must be a JSON object.")
+        unknown = set(entry) - {"id", "num_examples", "seed", "ratio"}
+        if unknown or "id" not in entry:
+            raise UserError(
+                f"env.mix entry {text} needs an id and takes only id, args, num_examples, seed, ratio."
+            )
+        configs.append(EnvConfig(**entry, args=json.dumps(args)))
+    ids = [config.id for config in configs]
+    if len(set(ids)) < len(ids):
+        raise UserError(f"the environments of a mixture need different ids, got {', '.join(ids)}.")
+    return configs
 
 
 def hub_reachable(timeout: float = 2.0) -> bool:

@@ -11,6 +11,8 @@ truncation exactly and the importance ratio would be biased (measured on-policy:
 (sampled, pass@k, greedy) at the start, every N steps and at the end. The loop waits for each eval, so
 it scores exactly step N's weights (the next publish comes after it) while the producer keeps sampling
 beside it; its cost is logged as eval/seconds. Runs write provenance.json and reward_curve.png too.
+Several environments (env.mix) are drawn by ratio, with metrics and evaluations per environment
+(lib/mixture.py); --filter-flat-groups replaces groups whose rewards are all equal (lib/rollouts.py).
 
 Usage:
     python scripts/rl.py @ configs/tiny/rl.toml                                     # CPU
@@ -38,7 +40,7 @@ class Config:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     """The policy to train (usually an SFT run's weights/step_N)."""
     env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
-    """The environment."""
+    """The environment (env.mix: more of them, drawn by ratio; lib/mixture.py)."""
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
     """Rollout sampling."""
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
@@ -75,6 +77,9 @@ class Config:
     """Rollouts may come from a policy at most this many steps old (0 = fully on-policy)."""
     normalize_advantage: bool = False
     """Divide advantages by the group's reward std."""
+    filter_flat_groups: bool = False
+    """Replace each group whose rewards are all equal by a new one (bounded per step, rollouts/resampled):
+    steps train on groups with signal, at the cost of the replaced groups' sampling time (lib/rollouts.py)."""
     output_dir: Path = Path("outputs/rl")
     """Run directory: config.toml, tb/, weights/, checkpoints/, rollouts/."""
     checkpoint_every: int = 10
@@ -131,16 +136,15 @@ def main(cfg: Config) -> dict:
     from lib import dist, envs, inference, sync
     from lib.checkpoint import drop_newer, load_checkpoint, open_run, save_checkpoint, save_weights, servable
     from lib.config import to_dict
-    from lib.evaluation import Evaluator, split_held_out
     from lib.head import next_token_scores
     from lib.log import RunLog
     from lib.loss import policy_loss, token_share
+    from lib.mixture import env_metrics, load_mixture
     from lib.model import check_model_name, load_tokenizer, load_trainable, resolve_device
     from lib.optim import build_optimizer, optimizer_step
     from lib.packing import rl_micro_batches
     from lib.plot import eval_points, plot_curve
     from lib.rollouts import Producer, write_records
-    from lib.tasks import TaskStream
 
     # ------------------------------------------------------------ config and run directory
     rank, _, world_size = dist.world()
@@ -163,13 +167,11 @@ def main(cfg: Config) -> dict:
     # LoRA: the adapter's name on the servers, None where they load the merged model.
     adapter = inference.ADAPTER_NAME if cfg.lora.rank and cfg.inference.lora_sync == "adapter" else None
 
-    start, task_index = 0, 0
+    start, progress = 0, {}
     if cfg.resume and resume_from:
+        # Its draw counters count the tasks started before it, in flight ones included: skipped, not replayed.
         progress = load_checkpoint(resume_from, model, optimizer, scheduler)
         start = progress["step"]
-        # Tasks started before the checkpoint, in flight ones included: those are skipped, not replayed.
-        # (Checkpoints older than the counter: one step's worth of tasks per step.)
-        task_index = progress.get("task_index", start * cfg.examples_per_step)
         log_main(f"resumed from {resume_from} (step {start})")
         if is_main:
             drop_newer(run_dir / "weights", start)
@@ -193,21 +195,14 @@ def main(cfg: Config) -> dict:
                 log_main,
                 cfg.lora.rank if adapter else 0,
             )
-            env = envs.load_env(cfg.env)
-            tasks = envs.load_tasks(env, cfg.env)
             # The prompts are rendered here, as for any run, with model.name's tokenizer and renderer.
             renderer = envs.renderer_name(cfg.model.name)
             contexts = [
                 envs.model_context(url, name, cfg.sampling, api_key, True, cfg.model.name, renderer)
                 for url, name in zip(urls, names)
             ]
-            if cfg.eval.every:
-                if tasks.endless:
-                    raise UserError("eval.every needs a finite taskset to hold examples out of.")
-                train, held_out = split_held_out(list(tasks), cfg.eval.num_examples)
-                tasks = TaskStream(train, cfg.env.id)
-                evaluator = Evaluator(cfg, held_out, urls[0], names[0], api_key, run_dir / "eval")
-            log_main(f"env {cfg.env.id}: {tasks.describe()}; {len(urls)} server(s): {' '.join(urls)}")
+            mixture, evaluator = load_mixture(cfg, urls[0], names[0], api_key, run_dir / "eval", progress)
+            log_main(f"{mixture.describe()}; {len(urls)} server(s): {' '.join(urls)}")
 
         # -------------------------------------------------------- weight sync
         probe_prompt = tokenizer.encode(sync.PROBE_TEXT, add_special_tokens=False)
@@ -241,24 +236,22 @@ def main(cfg: Config) -> dict:
         # -------------------------------------------------------- rollout producer (rank 0)
         if is_main:
             producer = Producer(
-                env,
-                tasks,
+                mixture,
                 contexts,
                 cfg.rollouts_per_example,
                 cfg.examples_per_step,
                 cfg.max_async_level,
                 cfg.inference.max_concurrent,
                 cfg.normalize_advantage,
-                cfg.env.id,
                 start_version=start,
-                start_index=task_index,
                 seq_len=cfg.seq_len,
+                filter_flat_groups=cfg.filter_flat_groups,
             )
             producer.start()
             cleanup.callback(producer.stop)
         log = RunLog(run_dir, cfg.steps, start, is_main, 1, cfg.wandb, to_dict(cfg))
         cleanup.callback(log.close)
-        history, weights, flat_steps, num_errors = [], None, 0, 0
+        history, weights, flat_steps, num_errors, env_errors = [], None, 0, 0, {}
 
         def plot() -> None:
             steps, rewards = range(start + 1, start + 1 + len(history)), [m["reward/mean"] for m in history]
@@ -342,6 +335,7 @@ def main(cfg: Config) -> dict:
                 num_tokens = sum(len(r.token_ids) for r in batch.rollouts)
                 metrics = {
                     **batch.metrics(cfg.env.id),
+                    **env_metrics(batch.groups, producer.errors_by_env, env_errors, mixture.sources),
                     **{f"train/{k}": v for k, v in totals.items()},
                     "train/lr": lr,
                     "rollouts/errors": producer.num_errors - num_errors,
@@ -359,7 +353,7 @@ def main(cfg: Config) -> dict:
                         f"step {step_number}: {producer.num_errors - num_errors} rollout errors "
                         f"({producer.num_errors} in the run)"
                     )
-                num_errors = producer.num_errors
+                num_errors, env_errors = producer.num_errors, dict(producer.errors_by_env)
                 if batch.num_flat_groups == len(batch.groups):
                     flat_steps += 1
                     log.print(
@@ -376,7 +370,7 @@ def main(cfg: Config) -> dict:
             stopping = dist.all_sum(stop.requested, device) > 0  # a Ctrl-C on any rank stops them all here
             if step_number % cfg.checkpoint_every == 0 or step_number == cfg.steps or stopping:
                 log.flush()  # the curves on disk reach at least as far as the checkpoint
-                progress = {"world_size": world_size, "task_index": producer.task_index if is_main else 0}
+                progress = {"world_size": world_size, **(mixture.state() if is_main else {})}
                 save_checkpoint(
                     run_dir, step_number, model, optimizer, scheduler, progress, cfg.keep_checkpoints
                 )

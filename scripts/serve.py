@@ -137,9 +137,7 @@ def main(cfg: Config) -> None:
     from lib.server import build_app
 
     engine = Engine(cfg.model, cfg.max_batch_size, cfg.max_model_len, cfg.seed)
-    app = build_app(
-        engine, served_model_name, api_key, cfg.weights_root, cfg.max_logprobs, cfg.max_lora_rank
-    )
+    app = build_app(engine, served_model_name, api_key, cfg.weights_root, cfg.max_logprobs, cfg.max_lora_rank)
     log.info(
         "serving %s on http://%s:%d/v1 (builtin engine on %s, weights root %s)",
         served_model_name,

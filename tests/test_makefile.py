@@ -32,6 +32,8 @@ CASES = {
         ("sft", {"ENV": "tiny"}),
         ".venv/bin/python scripts/sft.py @ configs/tiny/sft.toml",
     ),
+    "sft mix": (("sft", {"ENV": "mix"}), ".venv/bin/python scripts/sft.py @ configs/mix/sft.toml"),
+    "rl mix": (("rl", {"ENV": "mix"}), ".venv/bin/python scripts/rl.py @ configs/mix/rl.toml"),
     "sft 8 GPUs": (
         ("sft", {"ENV": "reverse_text", "NPROC": "8"}),
         ".venv/bin/torchrun --nnodes 1 --node-rank 0 --nproc-per-node 8 --rdzv-endpoint localhost:29500 --shutdown-timeout 600 "
@@ -136,3 +138,13 @@ def test_launch_target_prints_the_exact_command(name):
     if target in ("sft", "rl", "eval", "serve"):
         script, args = script_args(argv)
         parse(load_script(script).Config, args)  # every flag the target passes exists and is valid
+
+
+def test_eval_of_the_mixture_evaluates_each_of_its_environments_in_turn():
+    argv = dry_run("eval", ENV="mix", MODEL="outputs/mix/rl/weights/step_200", N="50")
+    commands = " ".join(argv).split(" && ")
+    envs = ("reverse_text", "alphabet_sort", "plainrl_calculator")
+    for command, env in zip(commands, envs, strict=True):
+        expected = f".venv/bin/python scripts/eval.py {env} @ configs/mix/eval.toml"
+        assert command == f"{expected} --model.name outputs/mix/rl/weights/step_200 -n 50 -r 3"
+        parse(load_script("eval").Config, shlex.split(command)[2:])

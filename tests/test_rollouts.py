@@ -13,6 +13,7 @@ import lib.rollouts
 from lib import patches
 from lib.buffer import Rollout
 from lib.envs import model_context
+from lib.mixture import Mixture, Source
 from lib.rollouts import Producer
 from lib.sampling import SamplingConfig
 
@@ -94,11 +95,14 @@ def take_within(run: Producer, step: int, seconds: float = 20.0):
     return outcome["batch"]
 
 
-def producer(tasks, examples_per_step=1, max_async_level=1, max_concurrent=64, **kwargs) -> Producer:
-    tasks = [FakeTask(task) for task in tasks]
-    return Producer(
-        None, tasks, [None], 2, examples_per_step, max_async_level, max_concurrent, False, "fake", **kwargs
-    )
+def one_env(tasks, start_index=0, name="fake") -> Mixture:
+    """A mixture of one made-up environment whose first `start_index` tasks were drawn already."""
+    return Mixture([Source(name, None, tasks, count=start_index)], draws=start_index)
+
+
+def producer(tasks, examples_per_step=1, max_async_level=1, max_concurrent=64, start_index=0, **kwargs):
+    mixture = one_env([FakeTask(task) for task in tasks], start_index)
+    return Producer(mixture, [None], 2, examples_per_step, max_async_level, max_concurrent, False, **kwargs)
 
 
 def test_an_episode_is_tagged_with_the_weights_of_its_first_request(fake_env):
@@ -133,7 +137,7 @@ def test_stale_drops_give_their_slots_back(fake_env):
         # Every slot the trainer allows (version + max_async_level + 1 groups) is in use again: the
         # groups started are those plus one per group dropped.
         slots = step + 1 + 1
-        assert eventually(lambda: run.task_index == slots + stale // 2), (run.task_index, slots, stale)
+        assert eventually(lambda: run.mixture.draws == slots + stale // 2), (run.mixture.draws, slots, stale)
         for _ in range(3):  # and a group is ready ahead of the trainer, step after step
             assert eventually(lambda: run.buffer.ready() >= 2), run.buffer.ready()
             run.take(step)
@@ -188,7 +192,7 @@ def test_resume_neither_replays_nor_skips_more_than_the_groups_in_flight(fake_en
     first.start()
     try:
         before = trained(first, range(kill_at))
-        task_index = first.task_index  # what the checkpoint of step kill_at saves
+        task_index = first.mixture.draws  # what the checkpoint of step kill_at saves
     finally:
         first.stop()
     second = producer(
@@ -216,7 +220,9 @@ def test_an_episode_that_raises_is_counted_its_group_replaced_and_its_siblings_c
         assert sorted(group[0].completion for group in batch.groups) == ["1", "2"]
         assert run.num_errors == 1 and run.last_error == "ConnectionError: the server went away"
         time.sleep(2.5)
-        assert run.tasks[0].get("finished", 0) == 0, "the failed episode's sibling kept running"
+        assert run.mixture.sources[0].tasks[0].get("finished", 0) == 0, (
+            "the failed episode's sibling kept running"
+        )
     finally:
         run.stop()
 
@@ -253,7 +259,7 @@ def test_a_group_with_a_rollout_longer_than_seq_len_is_dropped_whole_before_its_
         {"id": 3, "reward": [0.0, 1.0, 0.5], "length": [2, 3, 5]},
     ]
     context = model_context("http://127.0.0.1:9/v1", "m", SamplingConfig(), train=True)  # the fake ignores it
-    run = Producer(None, [FakeTask(t) for t in tasks], [context], 3, 2, 0, 64, False, "fake", seq_len=8)
+    run = Producer(one_env([FakeTask(t) for t in tasks]), [context], 3, 2, 0, 64, False, seq_len=8)
     run.start()
     try:
         batch = take_within(run, 0)
@@ -269,7 +275,7 @@ def test_a_group_with_a_rollout_longer_than_seq_len_is_dropped_whole_before_its_
 
 def test_each_request_asks_for_what_is_left_of_seq_len_after_its_prompt():
     context = model_context("http://127.0.0.1:9/v1", "m", SamplingConfig(max_tokens=128), train=True)
-    run = Producer(None, [FakeTask({"id": 0})], [context], 2, 1, 0, 1, False, "fake", seq_len=192)
+    run = Producer(one_env([FakeTask({"id": 0})]), [context], 2, 1, 0, 1, False, seq_len=192)
     run.stop()
     sampling = run.contexts[0].sampling.model_dump(exclude_none=True)
 
@@ -283,3 +289,53 @@ def test_each_request_asks_for_what_is_left_of_seq_len_after_its_prompt():
         "max_tokens" in context.sampling.model_dump()
         and patches.SEQ_LEN_KEY not in context.sampling.model_dump()
     )
+
+
+def steps_of(run: Producer, num_steps: int) -> list:
+    """The batches of `num_steps` steps, publishing each step's version as a training loop does."""
+    batches = []
+    for step in range(num_steps):
+        batches.append(take_within(run, step))
+        run.set_version(step + 1)
+    return batches
+
+
+def test_the_flat_group_filter_leaves_every_step_with_groups_that_teach(fake_env):
+    # Half the tasks are trivial (every episode gets 1.0): with the filter they are replaced by new draws.
+    tasks = [{"id": i, "reward": [1.0] if i % 2 else [0.0, 1.0]} for i in range(400)]
+    run = producer(tasks, examples_per_step=4, filter_flat_groups=True)
+    run.start()
+    try:
+        batches = steps_of(run, 6)
+    finally:
+        run.stop()
+    for batch in batches:
+        assert batch.num_flat_groups == 0 and len(batch.groups) == 4
+        assert all(len({r.reward for r in group}) == 2 for group in batch.groups)
+    assert sum(batch.num_resampled for batch in batches) >= 6 * 4 - 4  # about one flat per group trained
+    assert all(batch.metrics("fake")["rollouts/resampled"] == batch.num_resampled for batch in batches)
+
+
+def test_without_the_filter_flat_groups_are_trained_on_nothing_and_none_resampled(fake_env):
+    tasks = [{"id": i, "reward": [1.0] if i % 2 else [0.0, 1.0]} for i in range(40)]
+    run = producer(tasks, examples_per_step=4)
+    run.start()
+    try:
+        batches = steps_of(run, 3)
+    finally:
+        run.stop()
+    assert sum(batch.num_flat_groups for batch in batches) == 6
+    assert all(batch.num_resampled == 0 for batch in batches)
+
+
+def test_the_filter_passes_flat_groups_once_its_bound_is_reached(fake_env):
+    # Every task is trivial: after RESAMPLE_LIMIT * examples_per_step replacements the step gets flat groups.
+    run = producer(
+        [{"id": i, "reward": [1.0]} for i in range(200)], examples_per_step=2, filter_flat_groups=True
+    )
+    run.start()
+    try:
+        batch = take_within(run, 0)
+    finally:
+        run.stop()
+    assert batch.num_flat_groups == 2 and batch.num_resampled == lib.rollouts.RESAMPLE_LIMIT * 2

@@ -1,0 +1,146 @@
+"""Several environments in one run: which one each draw takes, their task counters, metrics and evaluations.
+
+A mixture is `[env]` (the first environment) plus `env.mix`, one JSON object per further environment
+with EnvConfig's keys (`id`, `args` as an object, `num_examples`, `seed`, `ratio`):
+
+    [env]
+    id = "reverse_text"
+    ratio = 2
+    mix = ['{"id": "alphabet_sort", "args": {"max_turns": 2}}', '{"id": "plainrl_calculator", "num_examples": 300}']
+
+`--env.mix '{"id": ...}' '{"id": ...}'` says the same on the command line, and the run's config.toml
+writes it back as it was given. Draw i takes environment `random.Random(f"{seed}:{i}")`'s weighted
+choice by ratio: a function of (seed, i) alone, so a resumed run continues the same sequence. Each
+environment keeps its own task counter (the n-th draw of an environment plays its task n), and a
+checkpoint saves the draw count and every counter.
+"""
+
+import dataclasses
+import random
+import threading
+from pathlib import Path
+
+from lib.buffer import is_flat
+from lib.config import UserError
+from lib.tasks import TaskStream, env_configs
+
+
+@dataclasses.dataclass
+class Source:
+    """One environment of a mixture: its verifiers Env, its tasks by index, its ratio and tasks drawn so far."""
+
+    name: str
+    env: object
+    tasks: object
+    ratio: float = 1.0
+    count: int = 0
+
+
+class Mixture:
+    """Draws (source, task) pairs: draw i's source is a seeded weighted choice, its task the source's next."""
+
+    def __init__(self, sources: list[Source], seed: int = 0, draws: int = 0):
+        assert sources, "a mixture needs at least one environment"
+        self.sources, self.seed, self.draws = sources, seed, draws
+        self.lock = threading.Lock()  # the producer's thread draws while the trainer's saves the state
+
+    def choose(self, index: int) -> Source:
+        """The source of draw `index`: a function of (seed, index) only."""
+        if len(self.sources) == 1:
+            return self.sources[0]
+        weights = [source.ratio for source in self.sources]
+        return random.Random(f"{self.seed}:{index}").choices(self.sources, weights)[0]
+
+    def draw(self) -> tuple[Source, object]:
+        with self.lock:
+            source = self.choose(self.draws)
+            self.draws += 1
+            source.count += 1
+            index = source.count - 1
+        return source, source.tasks[index]
+
+    def state(self) -> dict:
+        """What a checkpoint saves: draws so far (`task_index`, as single-environment runs always saved) and
+        each environment's task counter."""
+        with self.lock:
+            return {"task_index": self.draws, "env_tasks": {s.name: s.count for s in self.sources}}
+
+    def restore(self, progress: dict, default_draws: int) -> None:
+        """Continues from a checkpoint's state (checkpoints from before mixtures: `default_draws` draws)."""
+        self.draws = progress.get("task_index", default_draws)
+        counts = progress.get("env_tasks", {self.sources[0].name: self.draws})
+        for source in self.sources:
+            source.count = counts.get(source.name, 0)
+
+    def describe(self) -> str:
+        total = sum(s.ratio for s in self.sources)
+        return "; ".join(f"env {s.name} ({s.ratio / total:.0%}): {s.tasks.describe()}" for s in self.sources)
+
+
+def load_mixture(cfg, url: str, model: str, api_key: str | None, out: Path, progress: dict):
+    """rl.py's environments: (the Mixture, resumed from `progress`, and the evaluation callable or None).
+
+    With cfg.eval.every, each environment holds out its last eval.num_examples tasks (an endless one
+    needs num_examples); a single environment logs eval/*, a mixture eval/<id>/* per environment.
+    """
+    from lib.envs import load_env, load_tasks
+    from lib.evaluation import Evaluator, split_held_out
+
+    sources, evaluators = [], {}
+    configs = env_configs(cfg.env)
+    for config in configs:
+        env = load_env(config)
+        tasks = load_tasks(env, config)
+        if cfg.eval.every:
+            if tasks.endless:
+                raise UserError(
+                    f"eval.every needs a finite taskset to hold examples out of: give {config.id} num_examples."
+                )
+            train, held_out = split_held_out(list(tasks), cfg.eval.num_examples)
+            tasks = TaskStream(train, config.id)
+            prefix, where = ("eval", out) if len(configs) == 1 else (f"eval/{config.id}", out / config.id)
+            evaluators[prefix] = Evaluator(cfg, held_out, url, model, api_key, where, config, prefix)
+        sources.append(Source(config.id, env, tasks, config.ratio))
+    mixture = Mixture(sources, cfg.seed)
+    mixture.restore(progress, progress.get("step", 0) * cfg.examples_per_step)
+    if len(configs) == 1:
+        return mixture, evaluators.get("eval")
+    return mixture, (Evaluations(list(evaluators.values())) if evaluators else None)
+
+
+class Evaluations:
+    """Every environment's Evaluator as one: calling it evaluates each and merges their eval/<id>/* scalars."""
+
+    def __init__(self, evaluators: list):
+        self.evaluators = evaluators
+        self.history: list[tuple[int, dict]] = []
+
+    def __call__(self, step: int) -> dict:
+        metrics = {}
+        for evaluator in self.evaluators:
+            metrics.update(evaluator(step))
+        # The plot's eval points: the mean over environments.
+        rewards = {
+            key: [v for k, v in metrics.items() if k.endswith(f"/{key}")]
+            for key in ("reward", "reward_greedy")
+        }
+        self.history.append((step, {f"eval/{key}": sum(v) / len(v) for key, v in rewards.items() if v}))
+        return metrics
+
+
+def env_metrics(
+    groups: list[list], errors: dict, errors_before: dict, sources: list[Source]
+) -> dict[str, float]:
+    """Per environment (`env/<id>/...`): a step's reward mean (when it drew the environment), groups, flat
+    groups, tokens, and rollout errors (the producer's counts by environment now less `errors_before`)."""
+    metrics: dict[str, float] = {}
+    for name in (source.name for source in sources):
+        mine = [group for group in groups if group[0].env == name]
+        rewards = [r.reward for group in mine for r in group]
+        if rewards:
+            metrics[f"env/{name}/reward/mean"] = sum(rewards) / len(rewards)
+        metrics[f"env/{name}/groups"] = len(mine)
+        metrics[f"env/{name}/flat_groups"] = sum(is_flat([r.reward for r in group]) for group in mine)
+        metrics[f"env/{name}/errors"] = errors.get(name, 0) - errors_before.get(name, 0)
+        metrics[f"env/{name}/tokens"] = sum(len(r.token_ids) for group in mine for r in group)
+    return metrics
