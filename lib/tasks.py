@@ -104,6 +104,12 @@ def env_configs(env: EnvConfig) -> list[EnvConfig]:
             raise UserError(
                 f"env.mix entry {text} needs an id and takes only id, args, num_examples, seed, ratio."
             )
+        types = {"id": str, "num_examples": int, "seed": int, "ratio": (int, float)}
+        wrong = [key for key, value in entry.items() if not isinstance(value, types[key]) or value is True]
+        if wrong:
+            raise UserError(
+                f"env.mix entry {text}: id must be a string, num_examples and seed integers, ratio a number."
+            )
         configs.append(EnvConfig(**entry, args=json.dumps(args)))
     ids = [config.id for config in configs]
     if len(set(ids)) < len(ids):

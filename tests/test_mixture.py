@@ -90,6 +90,8 @@ def test_a_mixture_round_trips_through_a_preset_the_cli_and_the_written_config(t
         (['{"id": "alphabet_sort", "args": "x"}'], "args must be a JSON object"),
         (["[1]"], "must be a JSON object"),
         (['{"id": "alphabet_sort", "ratio": 0}'], "ratio must be positive"),
+        (['{"id": "alphabet_sort", "ratio": "2"}'], "ratio a number"),
+        (['{"id": 3}'], "id must be a string"),
     ],
 )
 def test_a_bad_mixture_entry_is_one_sentence_before_any_heavy_work(mix, message):
