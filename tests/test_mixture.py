@@ -206,3 +206,33 @@ def test_a_mixture_logs_reward_flat_groups_errors_tokens_and_evaluations_per_env
     assert set(logged) == set(scalars)
     for tag, steps in scalars.items():
         assert logged[tag] == pytest.approx(steps, rel=1e-6), tag
+
+
+def test_with_the_filter_a_resume_continues_the_draws_from_the_saved_counters(tiny_dir, server, tmp_path):
+    """toy_taskset's groups are all flat for the untrained model (it never shouts the word back), so the
+    filter replaces them and the draws run ahead of steps x examples; the resumed run's draws must
+    continue from the checkpoint's counters, not from that estimate or from zero."""
+    out = tmp_path / "run"
+    flags = ["@", str(ROOT / "configs/tiny/rl.toml"), "--model.name", str(tiny_dir), "--output-dir", str(out)]
+    flags += [
+        "--inference.urls",
+        server.url,
+        "--env.id",
+        "letter_taskset",
+        "--env.mix",
+        '{"id": "toy_taskset"}',
+    ]
+    flags += ["--examples-per-step", "2", "--rollouts-per-example", "4", "--sampling.max-tokens", "16"]
+    flags += ["--max-async-level", "0", "--checkpoint-every", "1", "--filter-flat-groups"]
+    rl.main(parse(rl.Config, [*flags, "--steps", "2"]))
+    rl.main(parse(rl.Config, [*flags, "--steps", "3", "--resume"]))
+
+    saved, resumed = (
+        json.loads((out / "checkpoints" / f"step_{n}" / "progress.json").read_text()) for n in (2, 3)
+    )
+    assert saved["env_tasks"]["toy_taskset"] > 0 and saved["task_index"] > 2 * 2  # the filter drew more
+    # The draws the resumed run started are draws saved..resumed of the same seeded sequence.
+    sequence = Mixture([Source("letter_taskset", None, []), Source("toy_taskset", None, [])])
+    started = [sequence.choose(i).name for i in range(saved["task_index"], resumed["task_index"])]
+    for name in ("letter_taskset", "toy_taskset"):
+        assert resumed["env_tasks"][name] - saved["env_tasks"][name] == started.count(name), (saved, resumed)
