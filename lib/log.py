@@ -160,7 +160,9 @@ class RunLog:
         if not self.enabled:
             return
         self._record(step, values)
-        summary = "  ".join(f"{name.split('/')[-1]} {fmt(value)}" for name, value in values.items())
+        # The last part of a name, but an environment's metrics keep its id (env/<id>/groups: <id>/groups).
+        names = [n.removeprefix("env/") if n.startswith("env/") else n.split("/")[-1] for n in values]
+        summary = "  ".join(f"{name} {fmt(value)}" for name, value in zip(names, values.values()))
         self.progress.update(self.task, completed=step, metrics=summary)
         if step % self.print_every == 0:
             self.print(f"step {step}  {summary}")
