@@ -261,9 +261,9 @@ def test_rl_spreads_rollouts_over_two_servers_and_reloads_both(tiny_dir, servers
     used = []
     group = Producer._group
 
-    async def counted_group(self, task, context):
+    async def counted_group(self, source, task, context):
         used.append(self.contexts.index(context))
-        return await group(self, task, context)
+        return await group(self, source, task, context)
 
     monkeypatch.setattr(Producer, "_group", counted_group)
     urls = [server.url for server in servers]
