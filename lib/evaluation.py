@@ -209,16 +209,15 @@ class Evaluator:
                 records = asyncio.run(while_healthy(work, self.base_url, self.api_key))
             summary = summarize(records, rollouts)
             if name == "greedy":
-                metrics[f"{self.prefix}/reward_greedy"] = summary["avg_reward"]
+                metrics["reward_greedy"] = summary["avg_reward"]
                 continue
-            metrics[f"{self.prefix}/reward"] = summary["avg_reward"]
-            metrics[f"{self.prefix}/reward_std"] = summary["std_reward"]
-            metrics[f"{self.prefix}/perfect_rate"] = summary["perfect_rate"]
-            metrics.update(
-                {f"{self.prefix}/pass@{k}": v for k, v in summary["pass_at_k"].items() if int(k) > 1}
-            )
-            metrics[f"{self.prefix}/completion_tokens"] = summary["avg_completion_tokens"]
-            metrics[f"{self.prefix}/errors"] = summary["num_errors"]
-        metrics[f"{self.prefix}/seconds"] = time.perf_counter() - began
+            metrics["reward"] = summary["avg_reward"]
+            metrics["reward_std"] = summary["std_reward"]
+            metrics["perfect_rate"] = summary["perfect_rate"]
+            metrics.update({f"pass@{k}": v for k, v in summary["pass_at_k"].items() if int(k) > 1})
+            metrics["completion_tokens"] = summary["avg_completion_tokens"]
+            metrics["errors"] = summary["num_errors"]
+        metrics["seconds"] = time.perf_counter() - began
+        metrics = {f"{self.prefix}/{name}": value for name, value in metrics.items()}
         self.history.append((step, metrics))
         return metrics

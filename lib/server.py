@@ -89,6 +89,13 @@ def build_app(
             raise HTTPException(404, f"The model `{name}` does not exist.")
         return name or served_model_name
 
+    def under_root(path: str, field: str) -> Path:
+        """Only directories under the weights root load (weights_path, lora_path): a 403 otherwise."""
+        directory = Path(path).expanduser().resolve()
+        if not directory.is_relative_to(weights_root):
+            raise HTTPException(403, f"{field} must be under {weights_root}.")
+        return directory
+
     def check_logprobs(k: int | None, name: str) -> int:
         if k is not None and k > max_logprobs:
             raise UserError(f"{name} {k} is more than the server's max_logprobs ({max_logprobs}).")
@@ -248,9 +255,7 @@ def build_app(
         weights_path = body.kwargs.get("weights_path")
         if not isinstance(weights_path, str) or not weights_path:
             raise UserError("reload_weights needs kwargs.weights_path, a directory.")
-        directory = Path(weights_path).expanduser().resolve()
-        if not directory.is_relative_to(weights_root):  # only directories under the weights root load
-            raise HTTPException(403, f"weights_path must be under {weights_root}.")
+        directory = under_root(weights_path, "weights_path")
         if not directory.is_dir():
             raise UserError(f"weights_path {directory} is not a directory.")
         await asyncio.to_thread(engine.reload, directory)
@@ -262,9 +267,7 @@ def build_app(
             raise HTTPException(404, "LoRA adapters are off on this server: start it with --max-lora-rank R.")
         if body.lora_name in adapters and not body.load_inplace:
             raise UserError(f"The lora adapter '{body.lora_name}' has already been loaded: set load_inplace.")
-        directory = Path(body.lora_path).expanduser().resolve()
-        if not directory.is_relative_to(weights_root):
-            raise HTTPException(403, f"lora_path must be under {weights_root}.")
+        directory = under_root(body.lora_path, "lora_path")
         if not (directory / "adapter_config.json").is_file():
             raise UserError(f"lora_path {directory} holds no adapter_config.json.")
         await asyncio.to_thread(engine.load_adapter, directory, max_lora_rank)
