@@ -51,7 +51,12 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         dtype, temperature, chunk = ctx.dtype, ctx.temperature, ctx.chunk
         weight_c = weight.to(dtype)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        # A frozen output layer (LoRA) gets no float32 (V, H) buffer: 0.58 GiB at Qwen3-0.6B, 1.45 at Qwen3-4B.
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            if ctx.needs_input_grad[1]
+            else None
+        )
         for first in range(0, hidden.shape[0], chunk):
             h = hidden[first : first + chunk].to(dtype)  # (n, H)
             g = grad_logp[first : first + chunk].float()  # (n,)
@@ -62,9 +67,9 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
             grad_logits = grad_logits.div_(temperature).to(dtype)
             if grad_hidden is not None:
                 grad_hidden[first : first + chunk] = grad_logits @ weight_c
-            if ctx.needs_input_grad[1]:
+            if grad_weight is not None:
                 grad_weight += (grad_logits.t() @ h).float()
-        grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
         return grad_hidden, grad_weight, None, None, None
 
 

@@ -107,3 +107,35 @@ def test_a_micro_batch_without_scored_tokens_scores_nothing(tiny_dir):
     input_ids, position_ids, mask = batch(model.config.vocab_size)
     logp, ent = head.next_token_scores(model, input_ids, position_ids, torch.zeros_like(mask))
     assert logp.shape == ent.shape == input_ids.shape and not logp.any() and not ent.any()
+
+
+def vocabulary_sized_allocations(trainable: bool) -> list[str]:
+    """The ops that made a new (V, H) tensor during the chunked head's backward, with the weight trainable
+    or frozen (LoRA): every op's outputs are seen under a dispatch mode, so no allocation escapes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    vocab, hidden_size = 50, 8
+    weight = torch.randn(vocab, hidden_size, requires_grad=trainable)
+    hidden = torch.randn(6, hidden_size, requires_grad=True)
+    logp, _ = head.ChunkedTokenLogprobs.apply(hidden, weight, torch.arange(6), 1.0, 4)
+    seen = []
+
+    class Allocations(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in out if isinstance(out, tuple | list) else [out]:
+                if isinstance(tensor, torch.Tensor) and tensor.shape == weight.shape:
+                    if tensor.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr():
+                        seen.append(str(func))
+            return out
+
+    with Allocations():
+        logp.sum().backward()
+    assert hidden.grad is not None and (weight.grad is not None) == trainable
+    return seen
+
+
+def test_a_frozen_output_layer_gets_no_vocabulary_sized_gradient_buffer():
+    """With LoRA the output layer is frozen: a float32 (V, H) buffer would be 0.58 GiB at Qwen3-0.6B."""
+    assert vocabulary_sized_allocations(trainable=True)  # the method sees the buffer when there is one
+    assert vocabulary_sized_allocations(trainable=False) == []
