@@ -1,6 +1,8 @@
 """Atomic step directories, keep-last-K, the LoRA merge, and a full training-state round trip."""
 
+import hashlib
 import json
+import os
 
 import pytest
 import torch
@@ -82,3 +84,67 @@ def test_training_state_round_trips_exactly(tmp_path):
         assert torch.equal(a, b)  # same Adam moments, same step count
     save_checkpoint(tmp_path, 4, model, optimizer, scheduler, {}, keep=1)
     assert [p.name for p in step_dirs(tmp_path / "checkpoints")] == ["step_4"]
+
+
+def small_training_state():
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+
+def test_a_checkpoint_carries_a_manifest_of_its_files_sizes_and_hashes(tmp_path):
+    path = save_checkpoint(tmp_path, 1, *small_training_state(), {}, keep=2)
+    manifest = json.loads((path / "manifest.json").read_text())
+    files = sorted(p.name for p in path.iterdir() if p.name != "manifest.json")
+    assert sorted(manifest) == files == ["model.pt", "optimizer.pt", "progress.json", "state.pt"]
+    for name, entry in manifest.items():
+        data = (path / name).read_bytes()
+        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+@pytest.mark.parametrize("damage", ["truncated", "same size, other bytes", "missing"])
+def test_latest_skips_a_damaged_checkpoint_with_one_line_and_takes_the_older_one(damage, tmp_path, capsys):
+    """What a power loss can leave when the rename reached the disk before the data: latest() must not hand
+    it to torch.load."""
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, *small_training_state(), {}, keep=2)
+    capsys.readouterr()
+    model_file = tmp_path / "checkpoints" / "step_2" / "model.pt"
+    data = model_file.read_bytes()
+    if damage == "truncated":
+        model_file.write_bytes(data[: len(data) // 2])
+    elif damage == "same size, other bytes":
+        model_file.write_bytes(data[:-8] + bytes(8))
+    else:
+        model_file.unlink()
+    assert latest(tmp_path / "checkpoints") == tmp_path / "checkpoints" / "step_1"
+    (line,) = capsys.readouterr().out.splitlines()
+    assert "step_2" in line and "model.pt" in line and "skipping" in line, line
+    assert latest(tmp_path / "checkpoints" / "nothing here") is None
+
+
+def test_files_and_directories_reach_the_disk_before_the_rename(tmp_path, monkeypatch):
+    """A rename can reach the disk before the data it names (ext4, xfs): every file, the temporary
+    directory and its parent are fsynced first, and the parent again after (the rename itself)."""
+    events = []
+    real_fsync, real_rename = os.fsync, os.rename
+    monkeypatch.setattr(
+        os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))), real_fsync(fd))
+    )
+    monkeypatch.setattr(os, "rename", lambda a, b: (events.append(("rename", str(a))), real_rename(a, b)))
+    final = tmp_path / "weights" / "step_1"
+    with atomic_dir(final) as tmp:
+        (tmp / "config.json").write_text("{}")
+        (tmp / "merged").mkdir()
+        (tmp / "merged" / "model.safetensors").write_bytes(b"tensors")
+    renamed = events.index(("rename", str(tmp)))
+    synced_before = {path for kind, path in events[:renamed] if kind == "fsync"}
+    assert synced_before >= {
+        str(tmp / "config.json"),
+        str(tmp / "merged" / "model.safetensors"),
+        str(tmp / "merged"),
+        str(tmp),
+        str(final.parent),
+    }, events
+    assert ("fsync", str(final.parent)) in events[renamed + 1 :], events
+    assert (final / "merged" / "model.safetensors").read_bytes() == b"tensors"
