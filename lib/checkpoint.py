@@ -113,9 +113,12 @@ def atomic_dir(final: Path):
     sync(final.parent)  # the rename itself
 
 
-def prune(parent: Path, keep: int) -> None:
-    """Deletes all but the newest `keep` step_N directories."""
-    for path in step_dirs(parent)[:-keep]:
+def prune(parent: Path, keep: int, written: int | None = None) -> None:
+    """Deletes all but the newest `keep` step_N directories; with `written` (the step just saved), the newest
+    `keep` up to that one: higher steps, a dead run's leftovers, stay for the caller to drop (drop_newer),
+    and never push out what was just written."""
+    dirs = [p for p in step_dirs(parent) if written is None or step_of(p) <= written]
+    for path in dirs[:-keep]:
         shutil.rmtree(path)
 
 
@@ -243,7 +246,7 @@ def save_weights(
             if whole:
                 full = merge_lora(state, lora_scales(model), dtype)
                 write_hf_dir(tmp / "merged" if adapter else tmp, full, hf_model, tokenizer, dtype)
-        prune(path.parent, keep)
+        prune(path.parent, keep, written=step)
     dist.barrier()
     return path
 
@@ -292,7 +295,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, progr
             torch.save({"scheduler": scheduler.state_dict(), "rng": rng}, tmp / "state.pt")
             (tmp / "progress.json").write_text(json.dumps({"step": step, **progress}, indent=2))
             write_manifest(tmp)
-        prune(path.parent, keep)
+        prune(path.parent, keep, written=step)
     dist.barrier()
     return path
 

@@ -7,7 +7,17 @@ import os
 import pytest
 import torch
 
-from lib.checkpoint import atomic_dir, latest, load_checkpoint, merge_lora, prune, save_checkpoint, step_dirs
+from lib.checkpoint import (
+    atomic_dir,
+    drop_newer,
+    latest,
+    load_checkpoint,
+    merge_lora,
+    prune,
+    save_checkpoint,
+    save_weights,
+    step_dirs,
+)
 
 
 def test_atomic_dir_appears_whole_or_not_at_all(tmp_path):
@@ -148,3 +158,32 @@ def test_files_and_directories_reach_the_disk_before_the_rename(tmp_path, monkey
     }, events
     assert ("fsync", str(final.parent)) in events[renamed + 1 :], events
     assert (final / "merged" / "model.safetensors").read_bytes() == b"tensors"
+
+
+def test_a_rerun_from_step_0_keeps_what_it_writes_beside_a_dead_runs_higher_steps(tiny_dir, tmp_path):
+    """A run killed before its first checkpoint left weights/step_3..5; the rerun starts at 0. Pruning keeps
+    the newest `keep` steps up to the one just written; steps above it go only when the caller drops them."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(tiny_dir), AutoTokenizer.from_pretrained(tiny_dir)
+    for step in (3, 4, 5):
+        (tmp_path / "weights" / f"step_{step}").mkdir(parents=True)
+        (tmp_path / "checkpoints" / f"step_{step}").mkdir(parents=True)
+
+    def names(kind):
+        return [p.name for p in step_dirs(tmp_path / kind)]
+
+    path = save_weights(tmp_path, 0, model, tokenizer, torch.float32, keep=3)
+    assert (path / "config.json").is_file() and (path / "model.safetensors").is_file()
+    assert names("weights") == ["step_0", "step_3", "step_4", "step_5"]
+    for step in (1, 2, 3):  # step_3 is written again: the dead run's is replaced
+        save_weights(tmp_path, step, model, tokenizer, torch.float32, keep=3)
+    assert names("weights") == ["step_1", "step_2", "step_3", "step_4", "step_5"]
+    assert (tmp_path / "weights" / "step_3" / "config.json").is_file()
+    drop_newer(tmp_path / "weights", 3)
+    assert names("weights") == ["step_1", "step_2", "step_3"]
+
+    save_checkpoint(tmp_path, 0, *small_training_state(), {}, keep=1)
+    assert names("checkpoints") == ["step_0", "step_3", "step_4", "step_5"]
+    prune(tmp_path / "checkpoints", keep=1)  # without `written`: the newest `keep` of all, as before
+    assert names("checkpoints") == ["step_5"]
