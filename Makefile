@@ -17,7 +17,11 @@ PORT ?= 8000
 HOST ?=
 ENGINE ?= auto
 INFERENCE_URL ?=#             attach rl.py to running servers (space-separated base URLs)
-API_KEY ?=#                   bearer key, exported to the scripts as PLAINRL_API_KEY
+# The bearer key: `export PLAINRL_API_KEY=...` first; the scripts read it from the environment. As a make
+# variable it would be on make's command line (ps), in MAKEFLAGS of every child and in the recipes' shells.
+ifeq ($(origin API_KEY),command line)
+$(error API_KEY on the command line shows the key to every local user: run `export PLAINRL_API_KEY=...` and then make without API_KEY)
+endif
 TP ?=
 DP ?=
 DP_LOCAL ?=
@@ -46,7 +50,6 @@ endif
 EVAL_ENV := $(if $(filter tiny,$(ENV)),reverse_text,$(ENV))#  the tiny presets run reverse_text
 # eval.py takes one environment: ENV=mix evaluates each of the mixture's in turn.
 EVAL_ENVS := $(if $(filter mix,$(ENV)),reverse_text alphabet_sort plainrl_calculator,$(EVAL_ENV))
-KEY := $(if $(API_KEY),PLAINRL_API_KEY=$(API_KEY) )
 MODEL_FLAG := $(if $(MODEL),--model.name $(MODEL))
 OUT_FLAG := $(if $(OUTPUT_DIR),--output-dir $(OUTPUT_DIR))
 VLLM_FLAGS := $(if $(TP),--vllm.tensor-parallel-size $(TP)) $(if $(DP),--vllm.data-parallel-size $(DP)) \
@@ -100,15 +103,15 @@ sft: setup  ## supervised warm-up: make sft ENV=reverse_text|tiny|mix [NPROC=8] 
 	$(strip $(LAUNCH) scripts/sft.py @ configs/$(ENV)/sft.toml $(MODEL_FLAG) $(OUT_FLAG)) $(ARGS)
 
 rl: setup  ## RL: make rl ENV=reverse_text|alphabet_sort|tiny|mix [INFERENCE_URL=...] [NPROC=...]
-	$(strip $(KEY)$(LAUNCH) scripts/rl.py @ configs/$(ENV)/rl.toml $(MODEL_FLAG) $(OUT_FLAG) \
+	$(strip $(LAUNCH) scripts/rl.py @ configs/$(ENV)/rl.toml $(MODEL_FLAG) $(OUT_FLAG) \
 		$(if $(INFERENCE_URL),--inference.urls $(INFERENCE_URL))) $(ARGS)
 
 eval: setup  ## evaluate: make eval ENV=reverse_text|mix MODEL=... [BASE_URL=http://host:8000/v1] [N=20 R=3]
-	$(foreach e,$(EVAL_ENVS),$(if $(filter-out $(firstword $(EVAL_ENVS)),$(e)),&&) $(strip $(KEY)$(PY) \
+	$(foreach e,$(EVAL_ENVS),$(if $(filter-out $(firstword $(EVAL_ENVS)),$(e)),&&) $(strip $(PY) \
 		scripts/eval.py $(e) @ configs/$(ENV)/eval.toml $(MODEL_FLAG) -n $(N) -r $(R) $(if $(BASE_URL),-b $(BASE_URL))) $(ARGS))
 
 serve: setup  ## serve: make serve MODEL=DIR [PORT=8000] [ENGINE=auto|torch|vllm] [TP= DP= ... HEADLESS=1]
-	$(strip $(KEY)$(PY) scripts/serve.py --model.name $(or $(MODEL),$(TINY_DIR)) --port $(PORT) --engine $(ENGINE) \
+	$(strip $(PY) scripts/serve.py --model.name $(or $(MODEL),$(TINY_DIR)) --port $(PORT) --engine $(ENGINE) \
 		$(if $(HOST),--host $(HOST)) $(VLLM_FLAGS)) $(ARGS)
 
 tensorboard: setup  ## tensorboard over every run in outputs/

@@ -49,11 +49,10 @@ CASES = {
             {
                 "ENV": "alphabet_sort",
                 "INFERENCE_URL": "http://gpu1:8000/v1",
-                "API_KEY": "k1",
                 "OUTPUT_DIR": "/shared/run1",
             },
         ),
-        "PLAINRL_API_KEY=k1 .venv/bin/python scripts/rl.py @ configs/alphabet_sort/rl.toml "
+        ".venv/bin/python scripts/rl.py @ configs/alphabet_sort/rl.toml "
         "--output-dir /shared/run1 --inference.urls http://gpu1:8000/v1",
     ),
     "rl multi-node trainer": (
@@ -87,10 +86,9 @@ CASES = {
                 "DP_ADDRESS": "10.0.0.1",
                 "DP_RPC_PORT": "13345",
                 "TP": "1",
-                "API_KEY": "k",
             },
         ),
-        "PLAINRL_API_KEY=k .venv/bin/python scripts/serve.py --model.name Qwen/Qwen3-4B --port 8000 --engine vllm "
+        ".venv/bin/python scripts/serve.py --model.name Qwen/Qwen3-4B --port 8000 --engine vllm "
         "--host 0.0.0.0 --vllm.tensor-parallel-size 1 --vllm.data-parallel-size 16 --vllm.data-parallel-size-local 8 "
         "--vllm.data-parallel-address 10.0.0.1 --vllm.data-parallel-rpc-port 13345",
     ),

@@ -1,8 +1,11 @@
 """The API key travels to the servers plainrl starts through their environment only, and reaches no file."""
 
 import contextlib
+import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 from conftest import ROOT, load_script
@@ -18,32 +21,99 @@ def files_holding(directory, secret: str) -> list[str]:
     return [str(p) for p in directory.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
 
 
-def test_a_run_keeps_the_key_off_every_command_line_and_out_of_every_file(tiny_dir, tmp_path, monkeypatch):
-    rl = load_script("rl")
-    monkeypatch.syspath_prepend(str(FIXTURES))  # letter_taskset
-    monkeypatch.setenv("PLAINRL_API_KEY", KEY)
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    started = []
+def make_environment(**extra) -> dict[str, str]:
+    """This environment without an outer make's variables (under `make test` they would leak in)."""
+    leaking = ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES", "PLAINRL_API_KEY", "API_KEY")
+    return {**{k: v for k, v in os.environ.items() if k not in leaking}, **extra}
 
-    class RecordingPopen(subprocess.Popen):
-        def __init__(self, command, **kwargs):
-            if any(str(arg).endswith("serve.py") for arg in command):
-                started.append((command, kwargs["env"]))
-            super().__init__(command, **kwargs)
 
-    monkeypatch.setattr(subprocess, "Popen", RecordingPopen)
+def descendants(root: int) -> list[int]:
+    """`root` and every process under it, from /proc/*/stat."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo += children.get(pid, [])
+    return found
+
+
+def read_process(pid: int) -> tuple[list[str], dict[str, str]] | None:
+    """A process's argv and environment, or None when it has already gone."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+        pairs = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    return argv, dict(pair.split("=", 1) for pair in pairs if "=" in pair)
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads the process tree from /proc")
+def test_a_run_keeps_the_key_off_every_command_line_and_out_of_every_file(tiny_dir, tmp_path):
+    """`make rl` as the README runs it, the key exported: make, its shells, rl.py, the server it starts and
+    every other child are read from /proc while they run, argv and MAKEFLAGS; then every file of the run."""
     out = tmp_path / "run"
-    flags = ["@", str(ROOT / "configs/tiny/rl.toml"), "--model.name", str(tiny_dir), "--output-dir", str(out)]
-    flags += ["--steps", "1", "--env.id", "letter_taskset", "--examples-per-step", "2"]
-    flags += ["--rollouts-per-example", "2", "--sampling.max-tokens", "8", "--inference.engine", "torch"]
-    flags += ["--wandb.project", "p", "--wandb.offline"]
-    rl.main(parse(rl.Config, flags))  # the server it starts requires the key: every request carried it
-
-    ((command, env),) = started
-    assert not any(KEY in arg for arg in command), command
-    assert env["PLAINRL_API_KEY"] == KEY
+    args = ["--steps", "1", "--env.id", "letter_taskset", "--examples-per-step", "2"]
+    args += ["--rollouts-per-example", "2", "--sampling.max-tokens", "8", "--inference.engine", "torch"]
+    args += ["--wandb.project", "p", "--wandb.offline"]
+    command = ["make", "--no-print-directory", "-o", ".venv/.installed", "rl", "ENV=tiny"]
+    command += [f"MODEL={tiny_dir}", f"OUTPUT_DIR={out}", f"ARGS={' '.join(args)}"]
+    env = make_environment(
+        PLAINRL_API_KEY=KEY, WANDB_MODE="offline", PYTHONPATH=str(FIXTURES)
+    )  # letter_taskset
+    seen: dict[tuple[int, tuple[str, ...]], dict[str, str]] = {}
+    with subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    ) as make:
+        while make.poll() is None:
+            for pid in descendants(make.pid):
+                if (process := read_process(pid)) is not None:
+                    seen[(pid, tuple(process[0]))] = process[1]
+            time.sleep(0.05)
+        output = make.stdout.read().decode(errors="replace")
+    assert make.returncode == 0, output[-3000:]
+    programs = " ".join(argv[0] + " " + " ".join(argv[1:2]) for _, argv in seen)
+    assert "make" in programs and "scripts/rl.py" in programs and "scripts/serve.py" in programs, programs
+    for (_, argv), environ in seen.items():
+        assert not any(KEY in arg for arg in argv), argv
+        assert KEY not in environ.get("MAKEFLAGS", "") and KEY not in environ.get("MFLAGS", ""), argv
+    servers = [
+        environ for (_, argv), environ in seen.items() if any(a.endswith("scripts/serve.py") for a in argv)
+    ]
+    assert servers and all(environ.get("PLAINRL_API_KEY") == KEY for environ in servers)  # it got the key
+    assert KEY not in output
     assert (out / "wandb").is_dir() and (out / "server.log").is_file()
     assert files_holding(out, KEY) == []
+    # The recipes themselves: what make hands its shell for each target names no key.
+    for target in ("rl", "serve", "eval"):
+        dry = subprocess.run(
+            ["make", "-n", "--no-print-directory", "-o", ".venv/.installed", target],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert "scripts/" in dry.stdout and KEY not in dry.stdout + dry.stderr, dry.stdout
+
+
+def test_make_refuses_a_key_on_its_command_line_in_one_sentence_that_does_not_repeat_it():
+    """`make rl API_KEY=...` would show the key in ps for make's lifetime and copy it into MAKEFLAGS."""
+    for target in ("rl", "serve", "eval"):
+        refused = subprocess.run(
+            ["make", "-n", "--no-print-directory", "-o", ".venv/.installed", target, f"API_KEY={KEY}"],
+            cwd=ROOT,
+            env=make_environment(),
+            capture_output=True,
+            text=True,
+        )
+        assert refused.returncode != 0 and refused.stdout == "", refused.stdout
+        (line,) = refused.stderr.strip().splitlines()
+        assert "export PLAINRL_API_KEY" in line and KEY not in line, line
 
 
 def test_serve_hands_vllm_the_key_in_its_environment_only(tiny_dir, monkeypatch):
