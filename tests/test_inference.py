@@ -24,11 +24,47 @@ def test_auto_engine_picks_vllm_only_with_vllm_and_cuda(monkeypatch):
         assert serve.choose_engine("auto")[0] == expected
 
 
-def test_serve_binds_loopback_and_reloads_only_under_outputs_by_default():
-    from lib.config import parse
+def listening_addresses(port: int) -> list[str]:
+    """The local addresses of every TCP socket listening on `port` (/proc/net/tcp and tcp6, state 0A)."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.rsplit(":", 1)
+            if state == "0A" and int(hex_port, 16) == port:
+                found.append(address)
+    return found
 
-    cfg = parse(load_script("serve").Config, ["--model.name", "outputs/models/tiny"])
-    assert cfg.host == "127.0.0.1" and cfg.api_key is None and cfg.weights_root == Path("outputs")
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads the listening sockets from /proc")
+def test_serve_binds_loopback_and_reloads_only_under_outputs_by_default(tiny_dir, tmp_path, monkeypatch):
+    """serve.py with neither --host nor --weights-root, started in a directory of its own: it listens on
+    127.0.0.1 alone, and reloads a directory under ./outputs but refuses one anywhere else (403)."""
+    import shutil
+    import socket
+
+    import httpx
+
+    shutil.copytree(tiny_dir, tmp_path / "outputs" / "run" / "weights" / "step_1")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "outputs" / "link").symlink_to(tmp_path / "elsewhere")  # a way out of outputs/
+    monkeypatch.chdir(tmp_path)  # outputs/ is the server's working directory's
+    monkeypatch.delenv("PLAINRL_API_KEY", raising=False)
+    port = inference.free_port()
+    with inference.running_server(str(tiny_dir), port=port, engine="torch", log_path=tmp_path / "serve.log"):
+        assert listening_addresses(port) == ["0100007F"]  # 127.0.0.1, no IPv6, no 0.0.0.0
+        with socket.socket() as other, pytest.raises(ConnectionRefusedError):
+            other.connect(("127.0.0.2", port))  # another local address: reached on 0.0.0.0, refused here
+
+        def reload(path) -> httpx.Response:
+            body = {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}
+            return httpx.post(f"http://127.0.0.1:{port}/collective_rpc", json=body, timeout=120)
+
+        for outside in (tiny_dir, "outputs/../elsewhere", tmp_path / "elsewhere", "outputs/link"):
+            refused = reload(outside)
+            assert refused.status_code == 403 and "must be under" in refused.text, (outside, refused.text)
+        assert reload("outputs/run/weights/step_1").status_code == 200
+        assert reload(tmp_path / "outputs" / "run" / "weights" / "step_1").status_code == 200
 
 
 def test_start_server_raises_the_end_of_the_log_when_the_server_exits(tmp_path):
