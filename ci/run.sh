@@ -10,5 +10,12 @@ if ! command -v nix-instantiate >/dev/null; then
 fi
 nix-instantiate --parse flake.nix >/dev/null && echo "flake.nix parses"
 
+# A real SLURM for tests/test_slurm.py, which starts its own munged, slurmctld and two slurmd (Debian's
+# slurm-wlm 22.05; the packages' own services are not used).
+if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! command -v munged >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        slurmctld slurmd slurm-client munge >/dev/null
+fi
+
 make test
 echo "ci: done in $((SECONDS - start)) s"
