@@ -117,18 +117,15 @@ def serve_lines(run, cluster: SlurmConfig, nodes: int) -> tuple[list[str], list[
     for i in range(nodes):
         flags = []
         if data_parallel:
-            flags += [
-                "--vllm.data-parallel-size",
-                str(local * nodes),
-                "--vllm.data-parallel-size-local",
-                str(local),
-            ]
-            flags += ["--vllm.data-parallel-address", '"$address_0"', "--vllm.data-parallel-rpc-port"]
-            flags += [str(cluster.rpc_port)]
+            size = f"--vllm.data-parallel-size {local * nodes} --vllm.data-parallel-size-local {local}"
+            head = (
+                f'--vllm.data-parallel-address "$address_0" --vllm.data-parallel-rpc-port {cluster.rpc_port}'
+            )
+            flags += [size, head]
             if i > 0:
-                flags += ["--vllm.headless", "--vllm.data-parallel-start-rank", str(i * local)]
+                flags += ["--vllm.headless", f"--vllm.data-parallel-start-rank {i * local}"]
         elif cluster.engine == "vllm" and local > 1:
-            flags += ["--vllm.data-parallel-size", str(local)]
+            flags += [f"--vllm.data-parallel-size {local}"]
         start = f'start inference-{i} srun --nodes=1 --ntasks=1 --nodelist="${{inference[{i}]}}" '
         start += f'--output="$LOGS/inference-{i}.log" \\\n    '
         lines.append(start + wrap(['"${serve[@]}"', "--host", f'"$address_{i}"', *flags]))
@@ -252,6 +249,7 @@ def wrap(words: list[str], width: int = 100) -> str:
 
 
 def fill(template: str, **values: str) -> str:
+    """The template with each {{name}} replaced by its value."""
     for key, value in values.items():
         template = template.replace("{{" + key + "}}", value)
     assert "{{" not in template, f"a placeholder was left: {template[template.index('{{') :][:40]}"
@@ -281,16 +279,16 @@ def render(stage: str, run, cluster: SlurmConfig, python: Path, workdir: Path) -
     engine = {"vllm": "vLLM", "torch": "builtin engine"}[cluster.engine]
     shape = f"{inference_nodes} inference node(s) ({engine}), " if inference_nodes else ""
     shape += f"{cluster.trainer_nodes} trainer node(s) (torchrun) with {gpus or 'no'} GPUs each"
-    # scripts/slurm.py's config adds slurm and dry_run to the stage's: no flags of the stage's.
+    # slurm and dry_run are scripts/slurm.py's own fields, not the stage's.
     flags = changed_flags(type(run), run, leave_out={"output_dir", "resume", "slurm", "dry_run"})
     servers = key_check = ""
-    tail = ['--output-dir "$RUN_DIR"', "--resume"]
+    tail = '--output-dir "$RUN_DIR" --resume'
     if inference_nodes:
         lines, urls = serve_lines(run, cluster, inference_nodes)
         servers = fill(
             SERVERS, lines="\n".join(lines), urls=" ".join(urls), timeout=str(cluster.server_timeout)
         )
-        tail.insert(0, '--inference.urls "${urls[@]}"')
+        tail = '--inference.urls "${urls[@]}" ' + tail
         key_check = (
             '[[ -n ${PLAINRL_API_KEY:-} ]] || finish 2 "PLAINRL_API_KEY is not set: the servers listen on the '
             'network, export the key before sbatch"\n'
@@ -312,5 +310,5 @@ def render(stage: str, run, cluster: SlurmConfig, python: Path, workdir: Path) -
         rendezvous_port=str(cluster.rendezvous_port),
         trainer_nodes=str(cluster.trainer_nodes),
         processes=str(gpus or 1),
-        flags=" \\\n    ".join(filter(None, [flag_text, *tail])),
+        flags=" \\\n    ".join(filter(None, [flag_text, tail])),
     )

@@ -25,6 +25,7 @@ Usage:
 
 import dataclasses
 import importlib.util
+import signal
 import sys
 from pathlib import Path
 
@@ -70,6 +71,7 @@ def main(stage: str, cfg) -> str:
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in ("rl", "sft"):
         if {"-h", "--help"} & set(sys.argv[1:2]):
+            signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `--help | head` ends quietly
             print(__doc__)
             raise SystemExit(0)
         fail("the first argument is the stage: rl or sft (then its presets and flags, and --slurm.*).")
