@@ -71,8 +71,10 @@ def split(command: str) -> list[list[str]]:
 
 
 @functools.cache
-def script_config(name: str):
-    return load_script(name).Config
+def script_config(name: str, stage: str | None = None):
+    """A script's Config; slurm.py's depends on the stage it renders a job for (its first argument)."""
+    module = load_script(name)
+    return module.job_config(stage) if stage else module.Config
 
 
 def script_problem(argv: list[str]) -> str | None:
@@ -88,7 +90,8 @@ def script_problem(argv: list[str]) -> str | None:
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured):
-            parse(script_config(Path(path).stem), args)
+            stage = args[0] if path == "scripts/slurm.py" and args else None
+            parse(script_config(Path(path).stem, stage), args[1:] if stage else args)
     except SystemExit as exit_:
         return captured.getvalue().strip() or f"exit {exit_.code}"
     return None
