@@ -1,4 +1,4 @@
-"""The policy loss: importance-sampled, token-level, normalised over the whole step."""
+"""The policy loss: importance-sampled, over whole rollouts in packed rows, normalised over the whole step."""
 
 import dataclasses
 from typing import Literal
@@ -8,8 +8,11 @@ from lib.config import UserError
 
 @dataclasses.dataclass
 class LossConfig:
-    variant: Literal["dppo", "ppo", "reinforce"] = "dppo"
-    """dppo: mask tokens whose probability moved too far (default); ppo: clipped ratio; reinforce: on-policy."""
+    variant: Literal["dppo", "ppo", "cispo", "reinforce"] = "dppo"
+    """dppo (default): -ratio * adv, masking tokens whose probability moved too far (arXiv:2602.04879);
+    ppo: -min(ratio * adv, clip(ratio) * adv) (arXiv:1707.06347);
+    cispo: -sg(min(ratio, 1 + clip_high)) * adv * logp (MiniMax-M1, arXiv:2506.13585);
+    reinforce: -adv * logp, no ratio (on-policy). ratio = p_train / p_inference; more in lib/loss.py."""
     mask_threshold: float = 0.2
     """dppo: mask a token when its probability moved more than this from the inference policy toward adv."""
     log_ratio_coef: float = 1e-3
@@ -17,7 +20,33 @@ class LossConfig:
     clip_low: float = 0.2
     """ppo: lower clip, ratio >= 1 - clip_low."""
     clip_high: float = 0.28
-    """ppo: upper clip, ratio <= 1 + clip_high (above clip_low = DAPO's clip-higher)."""
+    """ppo: upper clip, ratio <= 1 + clip_high (above clip_low = DAPO's clip-higher);
+    cispo: the weight's cap, min(ratio, 1 + clip_high)."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """ppo and cispo's ratio. token: each token's own;
+    sequence: the rollout's exp(mean log ratio over its loss tokens) (GSPO, arXiv:2507.18071; clip 3e-4/4e-4)."""
+    aggregation: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"
+    """How per-token losses add up to the step's loss.
+    token_mean: their sum / the step's loss tokens (DAPO, arXiv:2503.14476);
+    sequence_mean: the mean over the step's rollouts of each one's token mean (GRPO, arXiv:2402.03300);
+    constant: their sum / (examples_per_step x rollouts_per_example x sampling.max_tokens) (Dr. GRPO);
+    max_tokens is per turn, so a multi-turn rollout may hold more than its share (arXiv:2503.20783)."""
+    mismatch_correction: Literal["none", "truncate", "mask"] = "none"
+    """Trainer/inference mismatch, for a token whose weight w = p_train / p_inference is above mismatch_cap.
+    truncate: its loss is scaled by cap / w, a weight of min(w, cap) in effect (TIS, Yao et al. 2025);
+    mask: it carries no loss (MIS). Logged as mismatch_truncated / mismatch_masked.
+    reinforce, which weighs by no ratio, is weighted by min(w, cap), or by w and 0 above the cap."""
+    mismatch_level: Literal["token", "sequence"] = "token"
+    """mismatch_correction's w. token: each token's own;
+    sequence: its rollout's, exp(sum of the rollout's log ratios), on all its tokens."""
+    mismatch_cap: float = 3.0
+    """The cap of mismatch_correction (TRL's default)."""
+    mask_truncated: bool = False
+    """Rollouts cut by a token limit carry no loss (DAPO's overlong masking, arXiv:2503.14476).
+    Cut: a turn of it ended at max_tokens, or at what seq_len left it; it still counts in its group's mean."""
+    import_path: str = ""
+    """package.module:function, a loss to use instead of lib/loss.py's policy_loss.
+    Called with the same arguments (per-token tensors, rollout index, step counts); returns (loss, metrics)."""
 
     def __post_init__(self):
         if not 0 < self.mask_threshold <= 1:
@@ -26,6 +55,12 @@ class LossConfig:
             raise UserError("loss.log_ratio_coef must be >= 0 and loss.clip_low/clip_high > 0.")
         if self.clip_low >= 1:
             raise UserError("loss.clip_low must be below 1 (the ratio's lower clip is 1 - clip_low).")
+        if self.ratio_level == "sequence" and self.variant not in ("ppo", "cispo"):
+            raise UserError("loss.ratio_level sequence applies to loss.variant ppo (GSPO) or cispo only.")
+        if self.mismatch_cap < 1:
+            raise UserError("loss.mismatch_cap must be >= 1 (a lower cap would correct on-policy tokens).")
+        if self.import_path and self.import_path.count(":") != 1:
+            raise UserError("loss.import_path must read package.module:function.")
 
 
 # Everything below runs in the trainer; torch is imported lazily so `--help` stays fast.
@@ -90,31 +125,43 @@ def token_share(values, loss_mask, num_loss_tokens):
     return torch.where(loss_mask, values, 0).sum() / num_loss_tokens  # ()
 
 
-def policy_loss(logp, inference_logp, adv, loss_mask, num_loss_tokens, config: LossConfig):
-    """Token-level policy-gradient loss of one micro-batch, and its metrics.
+def rollout_sums(values, rollout_index, loss_mask):
+    """Each token's rollout's sum of `values` over its loss tokens, (B, T) -> (B, T), with gradient.
 
-    All inputs are aligned per token, shape (B, T): logp from the trainer (with grad), inference_logp
-    from the server that sampled the tokens, adv the sample's advantage repeated on its tokens, and
-    loss_mask True on assistant-sampled tokens only. num_loss_tokens is the number of loss tokens in
-    the WHOLE optimizer step (all micro-batches, all ranks), so the returned loss is this micro-batch's
-    share of the step loss: summing backward() over gradient accumulation gives the same gradient as
-    one big batch. Gradient averaging across ranks (FSDP2/DDP default) divides by world size: scale
-    the loss by world size there, or reduce gradients with a sum.
+    Packing keeps every rollout whole, in one row of one micro-batch (lib/packing.py), so the sum over a
+    rollout is complete in the micro-batch that holds it.
+    """
+    import torch
 
-    Variants (config.variant), with ratio = pi_train(token) / pi_inference(token):
-    - dppo (default): -ratio * adv on tokens inside the trust region + log_ratio_coef * log(ratio)^2.
-      Divergence Proximal Policy Optimization, Binary-TV mask: Qi et al., "Rethinking the Trust Region
-      in LLM Reinforcement Learning" (2026), arXiv:2602.04879. A token leaves the trust region when its
-      probability moved more than mask_threshold (absolute) in the direction its advantage pushes.
-    - ppo: -min(ratio * adv, clip(ratio, 1 - clip_low, 1 + clip_high) * adv). Schulman et al., "Proximal
-      Policy Optimization Algorithms" (2017), arXiv:1707.06347, with the asymmetric clip-higher and
-      token-level sum of DAPO: Yu et al. (2025), arXiv:2503.14476.
-    - reinforce: -adv * logp. Williams (1992), "Simple statistical gradient-following algorithms";
-      with group-mean baselines it is GRPO without ratio or clipping.
+    segments, inverse = torch.unique(rollout_index, return_inverse=True)  # (S,), (B, T)
+    masked = torch.where(loss_mask, values, 0.0).flatten()  # (B * T,)
+    sums = torch.zeros(len(segments), dtype=values.dtype, device=values.device)  # (S,)
+    return sums.index_add(0, inverse.flatten(), masked)[inverse]  # (B, T)
 
-    Returns (loss, metrics): loss is a 0-d tensor with grad; metrics maps names to detached 0-d tensors,
-    each a share of the step-wide token mean (sum them over micro-batches and ranks, like the loss):
-    importance_ratio, mismatch_kl, masked_fraction (dppo masked / ppo clipped tokens), advantage, logp.
+
+def policy_loss(
+    logp,
+    inference_logp,
+    adv,
+    loss_mask,
+    num_loss_tokens,
+    config: LossConfig,
+    rollout_index=None,
+    num_rollouts=None,
+    num_episodes=None,
+    num_budget_tokens=None,
+):
+    """Policy-gradient loss of one micro-batch, and its metrics; a custom loss (loss.import_path) takes the same.
+
+    Per token, (B, T): logp from the trainer (with grad), inference_logp from the server that sampled the tokens,
+    adv the rollout's advantage, loss_mask True on sampled tokens, rollout_index the rollout's index in the step
+    (None: one rollout per row). The counts are the WHOLE step's, over micro-batches and ranks: loss tokens,
+    rollouts, episodes (an episode's branches count once) and Dr. GRPO's token budget. The loss is this
+    micro-batch's share of the step's, so gradient accumulation adds up to one big batch (FSDP averages over
+    ranks: scale it by the world size). Variants, with ratio = p_train / p_inference: dppo (default; Qi et al.
+    2026, arXiv:2602.04879), ppo (Schulman et al. 2017, arXiv:1707.06347, with DAPO's clip-higher), cispo
+    (MiniMax-M1, arXiv:2506.13585), reinforce (Williams 1992). Each formula and option is written out where it
+    applies. Returns (loss, metrics): detached shares of step-wide token means, summed like the loss.
     """
     import torch
 
@@ -123,13 +170,30 @@ def policy_loss(logp, inference_logp, adv, loss_mask, num_loss_tokens, config: L
     )
     assert float(num_loss_tokens) > 0, "a step with no loss tokens has nothing to normalise by"
     loss_mask = loss_mask.bool()
+    if rollout_index is None:
+        rollout_index = torch.arange(logp.shape[0], device=logp.device)[:, None].expand(logp.shape)  # (B, T)
 
     # Off the loss mask the inference logp may be a placeholder (prompt tokens have none): force the
     # log ratio to 0 there so exp() never overflows into inf * 0 = nan.
     log_ratio = torch.where(loss_mask, logp - inference_logp, 0.0)  # (B, T)
-    ratio = torch.exp(log_ratio)  # (B, T)
+    token_ratio = torch.exp(log_ratio)  # (B, T)
+
+    def rollout_tokens():
+        """Each token's rollout's number of loss tokens, (B, T) (at least 1, padding included)."""
+        return rollout_sums(loss_mask.to(logp.dtype), rollout_index, loss_mask).clamp(min=1)
+
+    if config.ratio_level == "token":
+        ratio = token_ratio  # (B, T)
+    elif config.ratio_level == "sequence":
+        # GSPO: s_i = exp((1 / |y_i|) sum_t log ratio_t), the same on every token of rollout i, with the gradient
+        # s_i / |y_i| * grad logp_t on each (Zheng et al. 2025, arXiv:2507.18071).
+        ratio = torch.exp(rollout_sums(log_ratio, rollout_index, loss_mask) / rollout_tokens())  # (B, T)
+    else:
+        raise UserError(f"unknown loss.ratio_level {config.ratio_level!r} (choose token or sequence).")
 
     if config.variant == "dppo":
+        # -ratio * adv on tokens inside the trust region + log_ratio_coef * log(ratio)^2: a token leaves the
+        # region when its probability moved more than mask_threshold in the direction its advantage pushes.
         # Binary TV: the divergence of {token, everything else} is |p_train - p_inference|.
         prob_diff = (logp.exp() - inference_logp.exp()).detach()  # (B, T)
         # The paper masks when A > 0 and ratio > 1, or A < 0 and ratio < 1, with divergence > delta;
@@ -143,32 +207,112 @@ def policy_loss(logp, inference_logp, adv, loss_mask, num_loss_tokens, config: L
         # Kimi K2.5 report, arXiv:2602.02276).
         per_token = -torch.where(keep, ratio * adv, 0.0) + config.log_ratio_coef * log_ratio**2  # (B, T)
     elif config.variant == "ppo":
+        # -min(ratio * adv, clip(ratio, 1 - clip_low, 1 + clip_high) * adv), summed over tokens as DAPO does.
         # Deviation from PPO: the "old" policy is the inference policy itself (one update per batch, no
         # recomputed old logprobs), so the clip also bounds the trainer/inference mismatch and staleness.
         clipped_ratio = ratio.clamp(1 - config.clip_low, 1 + config.clip_high)  # (B, T)
         per_token = -torch.minimum(ratio * adv, clipped_ratio * adv)  # (B, T)
         # Tokens where the clipped branch wins carry no gradient.
         masked = ((adv > 0) & (ratio > 1 + config.clip_high)) | ((adv < 0) & (ratio < 1 - config.clip_low))
+    elif config.variant == "cispo":
+        # -sg(min(ratio, 1 + clip_high)) * adv * logp: the weight is clipped and detached, so a clipped token
+        # still carries a gradient, where PPO's clip drops it (MiniMax-M1). Deviation: no lower clip, as
+        # the paper's runs set epsilon_low out of reach.
+        weight = ratio.detach().clamp(max=1 + config.clip_high)  # (B, T)
+        per_token = -weight * adv * logp  # (B, T)
+        masked = ratio.detach() > 1 + config.clip_high  # (B, T): clipped, not dropped
     elif config.variant == "reinforce":
         # Deviation from importance sampling: the ratio is ignored, assuming the samples are on-policy;
-        # with max_async_level > 0 or a trainer/inference mismatch the gradient is biased (see mismatch_kl).
+        # with max_async_level > 0 or a trainer/inference mismatch the gradient is biased (see mismatch_kl),
+        # unless mismatch_correction weighs it.
         per_token = -adv * logp  # (B, T)
         masked = torch.zeros_like(loss_mask)  # (B, T)
     else:
-        raise UserError(f"unknown loss.variant {config.variant!r} (choose dppo, ppo or reinforce).")
+        raise UserError(f"unknown loss.variant {config.variant!r} (choose dppo, ppo, cispo or reinforce).")
 
-    # Token-level normalisation over the whole step (DAPO), not per sample or per micro-batch.
-    loss = token_share(per_token, loss_mask, num_loss_tokens)  # ()
+    # Trainer/inference mismatch correction: w is the importance weight of the token, or of its whole rollout
+    # (the product of its tokens' ratios, the sequence's likelihood ratio), both detached.
+    if config.mismatch_correction != "none":
+        if config.mismatch_level == "token":
+            weight = token_ratio.detach()  # (B, T)
+        elif config.mismatch_level == "sequence":
+            weight = torch.exp(rollout_sums(log_ratio.detach(), rollout_index, loss_mask))  # (B, T)
+        else:
+            raise UserError(
+                f"unknown loss.mismatch_level {config.mismatch_level!r} (choose token or sequence)."
+            )
+        over_cap = loss_mask & (weight > config.mismatch_cap)  # (B, T)
+    if config.mismatch_correction == "none":
+        pass
+    elif config.mismatch_correction == "truncate":
+        # Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you
+        # off-policy RL training"): the weight in effect is min(w, cap). The other variants' losses already
+        # scale with the ratio, so theirs is scaled by cap / w above the cap; reinforce's takes min(w, cap).
+        if config.variant == "reinforce":
+            per_token = per_token * weight.clamp(max=config.mismatch_cap)  # (B, T)
+        else:
+            per_token = per_token * torch.where(over_cap, config.mismatch_cap / weight, 1.0)  # (B, T)
+    elif config.mismatch_correction == "mask":
+        # Masked importance sampling: a token (a rollout, at sequence level) whose weight is above the cap
+        # carries no loss (TRL's token_mask / sequence_mask); reinforce's others are weighted by w.
+        if config.variant == "reinforce":
+            per_token = per_token * torch.where(over_cap, 0.0, weight)  # (B, T)
+        else:
+            per_token = torch.where(over_cap, 0.0, per_token)  # (B, T)
+    else:
+        raise UserError(
+            f"unknown loss.mismatch_correction {config.mismatch_correction!r} (choose none, truncate or mask)."
+        )
+
+    if config.aggregation == "token_mean":
+        # sum_t loss_t / (loss tokens of the whole step): every token weighs the same, however long its rollout
+        # (DAPO's token-level normalisation), over the step, not per micro-batch.
+        loss = token_share(per_token, loss_mask, num_loss_tokens)  # ()
+    elif config.aggregation == "sequence_mean":
+        # (1 / N) sum_i (1 / |y_i|) sum_t loss_i,t over the step's N rollouts: every rollout weighs the same,
+        # however long (GRPO as published, Shao et al. 2024, eq. 3; verl's seq-mean-token-mean).
+        assert num_rollouts, "aggregation sequence_mean needs the step's number of rollouts"
+        loss = token_share(per_token / rollout_tokens(), loss_mask, num_rollouts)  # ()
+    elif config.aggregation == "constant":
+        # sum_t loss_t / (examples_per_step x rollouts_per_example x max_tokens): a constant divisor, so no
+        # rollout's tokens weigh more for being in a short rollout or a short step (Dr. GRPO, Liu et al. 2025).
+        assert num_budget_tokens, "aggregation constant needs the step's token budget"
+        loss = token_share(per_token, loss_mask, num_budget_tokens)  # ()
+    else:
+        raise UserError(
+            f"unknown loss.aggregation {config.aggregation!r} (choose token_mean, sequence_mean or constant)."
+        )
 
     with torch.no_grad():
         # k3 estimator of KL(inference || trainer) per token, unbiased under tokens sampled by inference:
         # E_q[r - 1 - log r] = KL(q || p) with r = p / q. Schulman (2020), "Approximating KL divergence".
-        mismatch_kl = ratio - 1 - log_ratio  # (B, T)
+        mismatch_kl = token_ratio - 1 - log_ratio  # (B, T)
         metrics = {
-            "importance_ratio": token_share(ratio, loss_mask, num_loss_tokens),
+            "importance_ratio": token_share(token_ratio, loss_mask, num_loss_tokens),
             "mismatch_kl": token_share(mismatch_kl, loss_mask, num_loss_tokens),
             "masked_fraction": token_share(masked.float(), loss_mask, num_loss_tokens),
             "advantage": token_share(adv.float(), loss_mask, num_loss_tokens),
             "logp": token_share(logp.detach(), loss_mask, num_loss_tokens),
         }
+        if config.mismatch_correction != "none":
+            # Loss tokens whose weight was above the cap: truncated, or masked.
+            name = f"mismatch_{'truncated' if config.mismatch_correction == 'truncate' else 'masked'}"
+            metrics[name] = token_share(over_cap.float(), loss_mask, num_loss_tokens)
     return loss, metrics
+
+
+def loss_function(config: LossConfig):
+    """policy_loss, or the function that config.import_path names (package.module:function): a custom loss takes
+    policy_loss's arguments, by the same names, and returns (loss, metrics) the same way."""
+    import importlib
+
+    if not config.import_path:
+        return policy_loss
+    module_name, _, function_name = config.import_path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise UserError(f"loss.import_path: cannot import {module_name} ({error}).") from None
+    if not callable(getattr(module, function_name, None)):
+        raise UserError(f"loss.import_path: {module_name} has no function {function_name}.")
+    return getattr(module, function_name)

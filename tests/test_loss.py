@@ -1,6 +1,7 @@
 """Policy loss: each variant on hand-computed values, gradient direction, step-wide normalisation, masking."""
 
 import math
+import random
 
 import pytest
 import torch
@@ -195,3 +196,235 @@ def test_config_rejects_bad_values():
         policy_loss(
             *[torch.zeros(1, 1)] * 3, torch.ones(1, 1, dtype=torch.bool), 1, LossConfig(variant="grpo")
         )
+
+
+# ---------------------------------------------------------------- variants and options over whole rollouts
+
+
+def test_cispo_hand_computed_keeps_a_gradient_on_clipped_tokens():
+    # p_inference 0.5, cap 1 + 0.28: ratios 1.0, 1.6, 0.6 -> detached weights 1.0, 1.28 (clipped), 0.6.
+    #   -w * adv * ln p: -1 * ln 0.5 = 0.6931472, -1.28 * ln 0.8 = 0.2856237, +0.6 * ln 0.3 = -0.7223837
+    # loss = 0.2563872 / 3 = 0.0854624; d/dlogp = -w * adv / 3, the clipped token's included (PPO's is 0).
+    logp = probs(0.5, 0.8, 0.3).requires_grad_()
+    adv = torch.tensor([[1.0, 1.0, -1.0]], dtype=torch.float64)
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    loss, metrics = policy_loss(logp, probs(0.5, 0.5, 0.5), adv, mask, 3, LossConfig(variant="cispo"))
+    assert loss.item() == pytest.approx(0.0854624, abs=1e-7)
+    assert metrics["masked_fraction"].item() == pytest.approx(1 / 3)  # clipped, still trained
+    loss.backward()
+    assert logp.grad[0].tolist() == pytest.approx([-1 / 3, -1.28 / 3, 0.6 / 3])
+
+
+def two_rollouts_in_one_row():
+    """One packed row: rollout 0 (a prompt token, then 2 sampled at p 0.6, adv +1), rollout 1 (a prompt
+    token, then 3 sampled at p 0.5, 0.45, 0.5, adv -1); every inference p is 0.5. The prompt tokens carry
+    absurd values, which must change nothing."""
+    logp = torch.tensor(
+        [[-9.0, math.log(0.6), math.log(0.6), -9.0, math.log(0.5), math.log(0.45), math.log(0.5)]]
+    )
+    logp = logp.double().requires_grad_()
+    inference_logp = torch.tensor([[50.0] + [math.log(0.5)] * 2 + [-50.0] + [math.log(0.5)] * 3]).double()
+    adv = torch.tensor([[7.0, 1.0, 1.0, 7.0, -1.0, -1.0, -1.0]]).double()
+    mask = torch.tensor([[False, True, True, False, True, True, True]])
+    rollout_index = torch.tensor([[0, 0, 0, 1, 1, 1, 1]])
+    return logp, inference_logp, adv, mask, rollout_index
+
+
+def test_gspo_sequence_ratio_hand_computed():
+    # s_0 = exp(mean(ln 1.2, ln 1.2)) = 1.2 > 1 + 0.1 with adv > 0: clipped to 1.1 on both tokens, no gradient.
+    # s_1 = exp((ln 1 + ln 0.9 + ln 1) / 3) = 0.9^(1/3) = 0.9654894, inside [0.9, 1.1]: -adv * s_1 = 0.9654894.
+    # sequence_mean over the step's 2 rollouts: (-1.1 + 0.9654894) / 2 = -0.0672553. Rollout 1's term is s_1 / 2,
+    # and d s_1 / d logp_t = s_1 / 3 on each of its 3 tokens: 0.9654894 / 6 = 0.1609149.
+    logp, inference_logp, adv, mask, rollout_index = two_rollouts_in_one_row()
+    config = LossConfig(
+        variant="ppo", ratio_level="sequence", clip_low=0.1, clip_high=0.1, aggregation="sequence_mean"
+    )
+    loss, metrics = policy_loss(
+        logp, inference_logp, adv, mask, 5, config, rollout_index=rollout_index, num_rollouts=2
+    )
+    assert loss.item() == pytest.approx(-0.0672553, abs=1e-7)
+    assert metrics["masked_fraction"].item() == pytest.approx(2 / 5)  # rollout 0's tokens, clipped
+    assert metrics["importance_ratio"].item() == pytest.approx((1.2 + 1.2 + 1 + 0.9 + 1) / 5)  # token ratios
+    loss.backward()
+    assert logp.grad[0].tolist() == pytest.approx([0, 0, 0, 0, 0.1609149, 0.1609149, 0.1609149], abs=1e-7)
+
+
+def test_aggregations_hand_computed():
+    # reinforce, -adv * logp: rollout 0 one token (logp -1, adv 3) -> 3; rollout 1 three (logp -1, -2, -3,
+    # adv -1) -> -1, -2, -3. Sum -3.
+    logp = torch.tensor(
+        [[0.0, -1.0, 0.0, 0.0], [0.0, -1.0, -2.0, -3.0]], dtype=torch.float64, requires_grad=True
+    )
+    adv = torch.tensor([[3.0] * 4, [-1.0] * 4], dtype=torch.float64)
+    mask = torch.tensor([[False, True, False, False], [False, True, True, True]])
+    index = torch.tensor([[0, 0, -1, -1], [1, 1, 1, 1]])  # rollout 0, then padding; rollout 1
+    counts = {"num_rollouts": 2, "num_budget_tokens": 8}
+    expected = {
+        # -3 / 4 loss tokens; d/dlogp = -adv / 4.
+        "token_mean": (-0.75, [-0.75, 0.25, 0.25, 0.25]),
+        # (3 / 1 + -6 / 3) / 2 rollouts = 0.5: the one-token rollout weighs as much as the other; d/dlogp =
+        # -adv / (its tokens x 2).
+        "sequence_mean": (0.5, [-1.5, 1 / 6, 1 / 6, 1 / 6]),
+        # -3 / (examples x rollouts x max_tokens = 8); d/dlogp = -adv / 8.
+        "constant": (-0.375, [-0.375, 0.125, 0.125, 0.125]),
+    }
+    for aggregation, (value, grads) in expected.items():
+        config = LossConfig(variant="reinforce", aggregation=aggregation)
+        loss, _ = policy_loss(logp, logp.detach(), adv, mask, 4, config, rollout_index=index, **counts)
+        (grad,) = torch.autograd.grad(loss, logp)
+        assert loss.item() == pytest.approx(value), aggregation
+        assert grad[mask].tolist() == pytest.approx(grads), aggregation
+
+
+def test_token_mismatch_correction_hand_computed():
+    # Inference p 0.25; trainer p 0.25, 0.75, 0.5: weights w = 1, 3, 2; cap 2, so only the second is over it.
+    logp = probs(0.25, 0.75, 0.5).requires_grad_()
+    inference_logp, mask = probs(0.25, 0.25, 0.25), torch.ones(1, 3, dtype=torch.bool)
+    cases = {
+        # reinforce, adv +1: -ln p = 1.3862944, 0.2876821, 0.6931472, weighted by min(w, 2) = 1, 2, 2:
+        # 3.3479515 / 3; by w, 0 above the cap = 1, 0, 2: 2.7725887 / 3. d/dlogp = -weight / 3.
+        ("reinforce", "truncate", 1.0): (1.1159843, [-1 / 3, -2 / 3, -2 / 3]),
+        ("reinforce", "mask", 1.0): (0.9241962, [-1 / 3, 0, -2 / 3]),
+        # ppo, adv -1: -min(-r, -clip(r)) = r = 1, 3, 2 with gradient r; the token over the cap is scaled
+        # by 2 / 3 (truncate: 1 + 2 + 2) or dropped (mask: 1 + 0 + 2).
+        ("ppo", "truncate", -1.0): (5 / 3, [1 / 3, 2 / 3, 2 / 3]),
+        ("ppo", "mask", -1.0): (1.0, [1 / 3, 0, 2 / 3]),
+    }
+    for (variant, correction, sign), (value, grads) in cases.items():
+        config = LossConfig(variant=variant, mismatch_correction=correction, mismatch_cap=2.0)
+        adv = torch.full((1, 3), sign, dtype=torch.float64)
+        loss, metrics = policy_loss(logp, inference_logp, adv, mask, 3, config)
+        (grad,) = torch.autograd.grad(loss, logp)
+        assert loss.item() == pytest.approx(value, abs=1e-7), (variant, correction)
+        assert grad[0].tolist() == pytest.approx(grads), (variant, correction)
+        name = "mismatch_truncated" if correction == "truncate" else "mismatch_masked"
+        assert metrics[name].item() == pytest.approx(1 / 3)
+
+
+def test_sequence_mismatch_correction_hand_computed():
+    # Inference p 0.2. Rollout 0 (adv +1): trainer p 0.3, 0.3 -> w 1.5 each, its product 2.25 > cap 2.
+    # Rollout 1 (adv -1): p 0.6, 0.1 -> w 3 and 0.5: a token over the cap, but a product of 1.5 under it.
+    logp = torch.tensor([[math.log(0.3), math.log(0.3), math.log(0.6), math.log(0.1)]]).double()
+    logp.requires_grad_()
+    inference_logp = torch.full((1, 4), math.log(0.2), dtype=torch.float64)
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]]).double()
+    mask, index = torch.ones(1, 4, dtype=torch.bool), torch.tensor([[0, 0, 1, 1]])
+    # reinforce, -adv * logp: 1.2039728 twice, then ln 0.6 = -0.5108256 and ln 0.1 = -2.3025851.
+    cases = {
+        # mask: rollout 0 dropped, rollout 1 weighted by its 1.5: 1.5 * -2.8134107 / 4 = -1.0550290.
+        "mask": (-1.0550290, [0.0, 0.0, 1.5 / 4, 1.5 / 4]),
+        # truncate: rollout 0 weighted by min(2.25, 2) = 2: (2 * 2.4079456 + 1.5 * -2.8134107) / 4 = 0.1489438.
+        "truncate": (0.1489438, [-2 / 4, -2 / 4, 1.5 / 4, 1.5 / 4]),
+    }
+    for correction, (value, grads) in cases.items():
+        config = LossConfig(
+            variant="reinforce", mismatch_correction=correction, mismatch_level="sequence", mismatch_cap=2.0
+        )
+        loss, metrics = policy_loss(logp, inference_logp, adv, mask, 4, config, rollout_index=index)
+        (grad,) = torch.autograd.grad(loss, logp)
+        assert loss.item() == pytest.approx(value, abs=1e-7), correction
+        assert grad[0].tolist() == pytest.approx(grads), correction
+        name = "mismatch_truncated" if correction == "truncate" else "mismatch_masked"
+        assert metrics[name].item() == pytest.approx(2 / 4)  # rollout 0's tokens, not rollout 1's w = 3 token
+
+
+SEQUENCE_LEVEL = {
+    "gspo": LossConfig(variant="ppo", ratio_level="sequence", aggregation="sequence_mean", clip_high=0.1),
+    "cispo_sequence_masked": LossConfig(
+        variant="cispo", ratio_level="sequence", mismatch_correction="mask", mismatch_level="sequence",
+        mismatch_cap=1.3,
+    ),
+    "ppo_sequence_truncated": LossConfig(
+        variant="ppo", mismatch_correction="truncate", mismatch_level="sequence", mismatch_cap=1.3
+    ),
+    "dppo_constant": LossConfig(aggregation="constant"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("config", SEQUENCE_LEVEL.values(), ids=SEQUENCE_LEVEL.keys())
+def test_sequence_level_quantities_do_not_depend_on_packing(config):
+    """The same rollouts one to a row, many to a row, and one row per micro-batch over several micro-batches:
+    the step's loss, each token's gradient and the metrics agree."""
+    from lib.packing import rl_micro_batches
+    from lib.rollouts import Rollout
+
+    rng = random.Random(0)
+    rollouts = []
+    for i in range(7):
+        length = rng.randint(3, 9)
+        rollouts.append(
+            Rollout(
+                token_ids=[100 * (i + 1) + j for j in range(length)],  # every token id its own
+                loss_mask=[False] + [rng.random() < 0.8 for _ in range(length - 1)],
+                inference_logp=[0.0] + [-1.5 + rng.uniform(-0.5, 0.5) for _ in range(length - 1)],
+                reward=0.0,
+                policy_version=0,
+                advantage=rng.choice([-1.0, 0.5, 1.0]),
+            )
+        )
+    # The trainer's logp of each token: a leaf of its own, so gradients compare token by token.
+    logp_of = {
+        t: torch.tensor(-1.5 + rng.uniform(-0.6, 0.6), requires_grad=True)
+        for r in rollouts
+        for t in r.token_ids
+    }
+    counts = {
+        "num_loss_tokens": sum(sum(r.loss_mask) for r in rollouts),
+        "num_rollouts": len(rollouts),
+        "num_episodes": len(rollouts),
+        "num_budget_tokens": 64,
+    }
+
+    def step(packing: bool, seq_len: int, rows_per_micro_batch: int):
+        for leaf in logp_of.values():
+            leaf.grad = None
+        micro_batches = rl_micro_batches(rollouts, seq_len, rows_per_micro_batch, packing=packing)
+        total, metrics = 0.0, {}
+        for mb in micro_batches:
+            logp = torch.stack([logp_of.get(int(t), torch.tensor(0.0)) for t in mb.input_ids.flatten()])
+            loss, values = policy_loss(
+                logp.view(mb.input_ids.shape), mb.inference_logp, mb.advantages, mb.loss_mask,
+                config=config, rollout_index=mb.rollout_index, **counts,
+            )  # fmt: skip
+            loss.backward()
+            total += loss.item()
+            metrics = {name: metrics.get(name, 0.0) + value.item() for name, value in values.items()}
+        grads = {t: 0.0 if leaf.grad is None else leaf.grad.item() for t, leaf in logp_of.items()}
+        return [len(mb.input_ids) for mb in micro_batches], total, grads, metrics
+
+    layouts = [step(False, 16, 100), step(True, 24, 100), step(True, 16, 1)]
+    assert layouts[0][0] == [7]  # one micro-batch, a rollout to a row
+    assert len(layouts[1][0]) == 1 and layouts[1][0][0] < 7  # one micro-batch, rollouts sharing rows
+    assert len(layouts[2][0]) > 2  # a row per micro-batch, several micro-batches
+    _, total, grads, metrics = layouts[0]
+    assert total != 0.0 and any(grads.values())
+    corrected = [
+        value for name, value in metrics.items() if name.startswith("mismatch_") and name != "mismatch_kl"
+    ]
+    assert all(0 < value < 1 for value in corrected)  # some rollouts over the cap, not all
+    for _, other_total, other_grads, other_metrics in layouts[1:]:
+        assert other_total == pytest.approx(total, abs=1e-6)
+        assert other_grads == pytest.approx(grads, abs=1e-6)
+        assert other_metrics == pytest.approx(metrics, abs=1e-6)
+
+
+def test_new_options_reject_bad_values_and_a_custom_loss_is_found_by_its_path(monkeypatch, tmp_path):
+    from lib.loss import loss_function
+
+    with pytest.raises(ValueError, match="ratio_level sequence applies to"):
+        LossConfig(variant="dppo", ratio_level="sequence")
+    with pytest.raises(ValueError, match="mismatch_cap must be >= 1"):
+        LossConfig(mismatch_cap=0.5)
+    with pytest.raises(ValueError, match="package.module:function"):
+        LossConfig(import_path="no_colon_here")
+    assert loss_function(LossConfig()) is policy_loss
+    (tmp_path / "my_losses.py").write_text(
+        "def half(logp, *args, **kwargs):\n    return logp.sum() / 2, {}\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    custom = loss_function(LossConfig(import_path="my_losses:half"))
+    assert custom(torch.ones(1, 4))[0].item() == 2.0
+    with pytest.raises(ValueError, match="has no function missing"):
+        loss_function(LossConfig(import_path="my_losses:missing"))
+    with pytest.raises(ValueError, match="cannot import no_such_module"):
+        loss_function(LossConfig(import_path="no_such_module:half"))

@@ -1,0 +1,81 @@
+"""The algorithm recipes (configs/recipes/) and a custom loss, each 2 steps end to end on the tiny model
+against one shared builtin server."""
+
+import json
+
+import pytest
+import torch
+from conftest import ROOT
+from safetensors.torch import load_file
+from test_rl import rl, rl_config, server  # noqa: F401  (server: the module's one builtin server)
+
+RECIPES = ROOT / "configs" / "recipes"
+# Short runs: 2 groups of 4 a step, at most 24 tokens a reply.
+SMALL = ("--examples-per-step", "2", "--sampling.max-tokens", "24")
+
+
+def moved(run, tiny_dir) -> bool:
+    """Whether the run's last weights differ from the tiny model's."""
+    trained, start = (
+        load_file(run / "weights" / "step_2" / "model.safetensors"),
+        load_file(tiny_dir / "model.safetensors"),
+    )
+    return any(not torch.equal(trained[name], start[name]) for name in start)
+
+
+@pytest.mark.parametrize("recipe", ["grpo", "dr_grpo", "gspo", "cispo"])
+def test_each_recipe_runs_two_steps_and_trains(recipe, tiny_dir, server, tmp_path):  # noqa: F811
+    cfg = rl_config(tiny_dir, tmp_path / "run", server.url, "@", str(RECIPES / f"{recipe}.toml"), *SMALL)
+    expected = {
+        "grpo": ("ppo", "token", "sequence_mean", "group"),
+        "dr_grpo": ("ppo", "token", "constant", "none"),
+        "gspo": ("ppo", "sequence", "sequence_mean", "group"),
+        "cispo": ("cispo", "token", "token_mean", "group"),
+    }[recipe]
+    loss = cfg.loss
+    assert (loss.variant, loss.ratio_level, loss.aggregation, cfg.advantage.normalize) == expected
+    history = rl.main(cfg)["history"]
+    assert len(history) == 2
+    trained = [m for m in history if m["train/rollouts"]]
+    assert trained and all(
+        m["train/loss"] != 0.0 and m["train/episodes"] == m["train/rollouts"] for m in trained
+    )
+    assert moved(tmp_path / "run", tiny_dir)
+
+
+def test_dapo_masks_the_rollouts_that_seq_len_cut(tiny_dir, server, tmp_path):  # noqa: F811
+    # max_tokens far above seq_len: each request asks for what seq_len leaves after its prompt, so every cut
+    # reply ended at seq_len; the untrained model stops on its own now and then.
+    flags = ("--sampling.max-tokens", "512", "--seq-len", "40", "--examples-per-step", "2")
+    cfg = rl_config(tiny_dir, tmp_path / "run", server.url, "@", str(RECIPES / "dapo.toml"), *flags)
+    assert cfg.loss.mask_truncated and cfg.filter_flat_groups and cfg.loss.clip_high == 0.28
+    history = rl.main(cfg)["history"]
+    num_cut = 0
+    for step, metrics in enumerate(history, 1):
+        groups = {}  # the step's groups (one task each), as rollouts/step_N.jsonl records them
+        for line in (tmp_path / "run" / f"rollouts/step_{step}.jsonl").open():
+            record = json.loads(line)
+            groups.setdefault(record["task_id"], []).append(record)
+        trained = [r for group in groups.values() if len({r["reward"] for r in group}) > 1 for r in group]
+        cut = ["length" in r["finish_reasons"] for r in trained]
+        assert metrics["train/truncated_masked"] == sum(cut) and metrics["train/rollouts"] == cut.count(False)
+        assert metrics["rollouts/truncated"] >= sum(cut)  # every sampled rollout, flat groups' included
+        num_cut += sum(cut)
+    assert num_cut > 0, "no trained reply reached seq_len"
+
+
+def test_a_custom_loss_by_import_path_is_called_with_the_step_and_trains(tiny_dir, server, tmp_path):  # noqa: F811
+    from custom_loss import CALLS
+
+    CALLS.clear()
+    flags = ("--loss.import-path", "custom_loss:reinforce_token_mean", "--max-async-level", "0", *SMALL)
+    history = rl.main(rl_config(tiny_dir, tmp_path / "run", server.url, *flags))["history"]
+    assert [m["train/custom_calls"] for m in history if m["train/rollouts"]] and CALLS
+    assert sum(m["train/custom_calls"] for m in history) == len(CALLS)  # one call per micro-batch
+    assert {call["num_rollouts"] for call in CALLS} <= {m["train/rollouts"] for m in history}
+    assert all(
+        call["rollout_index"].shape[0] == call["rows"] and call["num_budget_tokens"] == 2 * 4 * 24
+        for call in CALLS
+    )
+    assert "train/importance_ratio" not in history[0]  # the built-in loss never ran
+    assert moved(tmp_path / "run", tiny_dir)
