@@ -6,17 +6,23 @@ lr 1e-4. TRL runs bench_trl_grpo.py in its own throw-away virtualenv (--trl-pyth
 depend on TRL); plainrl runs scripts/rl.py with the tiny CPU preset, as a user would: it starts its builtin server, splits
 the cores between server and trainer, and keeps up to max_async_level = 1 step of rollouts ahead.
 
-Both figures are intervals between consecutive optimizer-step ends after --warmup steps, so they
-include generation, scoring, the update and (plainrl) the weight push to the server. TRL's is read
-from its trainer callback, plainrl's from the wall time of each step's tensorboard event. The two
-runs go one after the other, never side by side: on 2 cores a neighbour would distort both.
+Both figures are intervals between consecutive optimizer-step ends after --warmup steps (their mean
+is the timed steps over the wall time from the end of the last warm-up step to the last timed step's
+end), so they include generation, scoring, the update and (plainrl) the weight push to the server.
+TRL's is read from its trainer callback, plainrl's from the wall time of each step's tensorboard
+event; plainrl's last step ends when the server has loaded its weights (the final sync, which runs
+beside the next step in the loop, read from server.log). The two runs go one after the other, never
+side by side: on 2 cores a neighbour would distort both.
 
-Give a model whose groups carry signal (an SFT-warmed tiny model): on the random tiny model every
-group is flat, and plainrl skips the backward of flat groups while TRL does not.
+Give a model whose groups carry signal (an SFT-warmed tiny model). TRL trains every completion, flat
+groups (all rewards equal, zero advantages) included; plainrl drops flat groups from the backward. The
+difflib reward is continuous, so flat groups are rare on a warmed model: plainrl's mean count per step
+is printed (flat_groups) so the difference in work is visible.
 
 Usage:
     python benchmarks/bench_rl_vs_trl.py --model outputs/tiny/sft/weights/step_2000
     python benchmarks/bench_rl_vs_trl.py --model M --trl-python /tmp/trlvenv/bin/python --steps 20
+    python benchmarks/bench_rl_vs_trl.py --model M --trl-threads 1 --seed 1   # a busy machine, another seed
 (bench_trl_grpo.py's docstring shows how to make the TRL virtualenv.)
 """
 
@@ -37,6 +43,16 @@ def step_intervals(wall_times: list[float], warmup: int) -> list[float]:
     """Seconds between consecutive step ends, from the end of warm-up step `warmup` on."""
     timed = wall_times[warmup - 1 :] if warmup else wall_times
     return [b - a for a, b in zip(timed, timed[1:])]
+
+
+def last_reload_time(server_log: Path) -> float:
+    """Epoch seconds of the server's last "loaded weights" log line (0 when there is none)."""
+    import datetime
+
+    stamps = [line[:23] for line in server_log.read_text().splitlines() if "loaded weights from" in line]
+    if not stamps:
+        return 0.0
+    return datetime.datetime.strptime(stamps[-1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
 def summary(name: str, intervals: list[float], rollouts_per_step: int, **extra) -> dict:
@@ -65,6 +81,10 @@ def run_trl(args) -> dict:
         str(args.max_tokens),
         "--lr",
         str(args.lr),
+        "--seed",
+        str(args.seed),
+        "--threads",
+        str(args.trl_threads),
     ]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
@@ -101,6 +121,8 @@ def run_plainrl(args, out: Path) -> dict:
         str(args.max_tokens),
         "--optim.lr",
         str(args.lr),
+        "--seed",
+        str(args.seed),
         "--max-async-level",
         str(args.max_async_level),
         "--inference.engine",
@@ -116,10 +138,14 @@ def run_plainrl(args, out: Path) -> dict:
         sys.exit(f"the plainrl run failed:\n{result.stderr[-3000:]}")
     events = EventAccumulator(str(out / "tb")).Reload()
     ends = [event.wall_time for event in events.Scalars("time/step")]
+    ends[-1] = max(ends[-1], last_reload_time(out / "server.log"))
     rewards = [event.value for event in events.Scalars("reward/mean")]
+
+    def timed_mean(name: str) -> float:
+        return round(statistics.fmean(e.value for e in events.Scalars(name)[args.warmup :]), 4)
+
     splits = {
-        name: round(statistics.fmean(e.value for e in events.Scalars(f"time/{name}")[args.warmup :]), 4)
-        for name in ("wait_rollouts", "train", "sync_weights")
+        name: timed_mean(f"time/{name}") for name in ("wait_rollouts", "train", "sync_weights", "wait_sync")
     }
     return summary(
         "plainrl",
@@ -127,7 +153,11 @@ def run_plainrl(args, out: Path) -> dict:
         64,
         max_async_level=args.max_async_level,
         mean_seconds=splits,
+        rollout_tokens_per_second=timed_mean("perf/rollout_tokens_per_second"),
+        train_tokens_per_second=timed_mean("perf/tokens_per_second"),
+        flat_groups=timed_mean("rollouts/flat_groups"),
         reward_mean=round(statistics.fmean(rewards), 4),
+        reward_last10=round(statistics.fmean(rewards[-10:]), 4),
     )
 
 
@@ -148,6 +178,14 @@ def main() -> None:
         help="Most completion tokens (an answer of a 4-word text with its tags is ~55).",
     )
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--seed", type=int, default=0, help="Both sides' seed.")
+    parser.add_argument(
+        "--trl-threads",
+        type=int,
+        default=0,
+        help="TRL's torch threads (0 = torch's default, one per core); on a busy machine 2 threads on 2 "
+        "cores stall each other many times over, and plainrl's split gives each side 1.",
+    )
     parser.add_argument("--max-async-level", type=int, default=1, help="plainrl's (TRL is on-policy).")
     args = parser.parse_args()
     if not Path(args.trl_python).is_file():

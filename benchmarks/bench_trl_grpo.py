@@ -1,9 +1,10 @@
 """TRL baseline: GRPOTrainer on CPU, tiny model, a reverse_text-like task; prints seconds per step.
 
 The reference point plainrl's own RL benchmark is compared with: same tiny model, prompts, group size,
-batch and completion length. Each optimizer step samples 8 prompts x 8 completions (40 tokens at most,
-temperature 1), scores them, and takes one AdamW step at lr 1e-4 (generation_batch_size = the train
-batch, so one generation per optimizer step, num_iterations 1, no reference model: beta 0).
+batch and completion length. Each optimizer step samples 8 prompts x 8 completions (64 tokens at most,
+as bench_rl_vs_trl.py passes; temperature 1), scores them, and takes one AdamW step at lr 1e-4
+(generation_batch_size = the train batch, so one generation per optimizer step, num_iterations 1, no
+reference model: beta 0). Every completion is trained on, flat groups included (zero advantages).
 Seconds per step are the intervals between consecutive optimizer-step ends after the warm-up steps,
 so they include generation, scoring, the forward/backward and TRL's own bookkeeping; the last line
 is JSON with their mean and median, and rollouts per second from each.
@@ -71,8 +72,9 @@ def main():
     parser.add_argument(
         "--rollouts-per-example", type=int, default=8, help="Completions per prompt (group size)."
     )
-    parser.add_argument("--max-tokens", type=int, default=40, help="Most completion tokens.")
+    parser.add_argument("--max-tokens", type=int, default=64, help="Most completion tokens.")
     parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate.")
+    parser.add_argument("--seed", type=int, default=0, help="TRL's seed (sampling, data order).")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default).")
     parser.add_argument(
         "--output-dir", default="/tmp/bench_trl_grpo", help="TRL's output directory (nothing saved)."
@@ -102,7 +104,7 @@ def main():
     config = trl.GRPOConfig(
         output_dir=args.output_dir,
         use_cpu=True,
-        seed=0,
+        seed=args.seed,
         max_steps=total_steps,
         learning_rate=args.lr,
         lr_scheduler_type="constant",
@@ -165,6 +167,7 @@ def main():
         "rollouts_per_second_median": round(batch / statistics.median(intervals), 2),
         "wall_seconds": round(wall, 2),
         "reward_mean": round(sum(rewards) / len(rewards), 4) if rewards else None,
+        "reward_last10": round(statistics.fmean(rewards[-10:]), 4) if rewards else None,
     }
     print(json.dumps(result))
 
