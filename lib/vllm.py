@@ -1,35 +1,19 @@
 """vLLM serving: the `vllm serve` command line (vllm==0.32.0) that speaks the same HTTP dialect as the builtin engine.
 
-What each flag is for:
-- `--logprobs-mode processed_logprobs`: logprobs of the distribution actually sampled from (after
-  temperature, top-k, top-p), the ones the importance ratio needs.
-- `--generation-config vllm`: vLLM's own sampling defaults, not the model's generation_config.json,
-  so a request that leaves temperature out means the same on both engines.
-- `VLLM_SERVER_DEV_MODE=1` (environment): mounts /pause, /resume, /collective_rpc, /reset_prefix_cache.
-- `--enable-scale-out`: mounts /inference/v1/generate (tokens in, tokens out), which the train client
-  calls; without it vLLM 0.32 answers 403 there.
-- `--max-logprobs`: the same limit as the builtin engine's (vLLM's default is 20).
-- `--enable-auto-tool-choice --tool-call-parser hermes`: chat answers to requests that offer tools
-  carry the model's `<tool_call>` blocks as OpenAI `tool_calls` (the eval client needs them; the train
-  client parses completions itself), as the builtin engine's do.
-- LoRA adapters loaded at run time (`max_lora_rank` > 0): `--enable-lora --max-lora-rank R --max-loras 1`
-  and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1` (environment), which mounts /v1/load_lora_adapter. vLLM takes
-  only some ranks (LORA_RANKS): R is rounded up to one.
-- CPU build: `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache; vLLM's own default is 4), from `cpu_kv_cache_gib`.
-- The API key goes in the environment (`VLLM_API_KEY`), which vLLM reads like `--api-key`, so it does
-  not show in the process list. vLLM checks it on /v1 and /inference only: its dev routes are open,
-  so keep the server on 127.0.0.1 or a private network (the host defaults to 127.0.0.1).
-- Multi-node data parallel: the head runs the API server and `--data-parallel-size-local` engines;
-  every other node runs `--headless` with its `--data-parallel-start-rank`, all pointing at the head's
-  `--data-parallel-address` and `--data-parallel-rpc-port`. The head's API servers send /pause,
-  /collective_rpc, /update_weight_version, /reset_prefix_cache and /resume to every engine
-  (vllm/v1/engine/core_client.py, `DPLBAsyncMPClient.call_utility_async`), so a reload through the head
-  reaches the headless nodes' engines too; `/collective_rpc` answers with the first engine's result only.
-  A request's `X-data-parallel-rank: N` header runs it on engine N.
+It sits beside the controller's modules, not in lib/server/ (the builtin server): the controller and
+serve.py build vLLM's command line from it, and vLLM loads its worker extension (ServedWeights) by
+dotted path inside its own processes. Each flag's reason is given where vllm_command adds it.
+
+Multi-node data parallel: the head runs the API server and `--data-parallel-size-local` engines; every
+other node runs `--headless` with its `--data-parallel-start-rank`, pointing at the head's address and RPC
+port. The head's API servers send /pause, /collective_rpc, /update_weight_version, /reset_prefix_cache
+and /resume to every engine (vllm/v1/engine/core_client.py, `DPLBAsyncMPClient.call_utility_async`), so
+a reload through the head reaches every node; `/collective_rpc` answers with the first engine's result.
 """
 
 import dataclasses
 import importlib.util
+import json
 import os
 import sys
 
@@ -93,6 +77,7 @@ def vllm_command(
     max_logprobs: int = 20,
     max_model_len: int | None = None,
     max_lora_rank: int = 0,
+    return_sampling_mask: bool = False,
 ) -> list[str]:
     """The `vllm serve` argument list (the API key travels in the environment, see `vllm_environment`)."""
     command = ["vllm", "serve", model]
@@ -115,8 +100,21 @@ def vllm_command(
             command += [flag, str(value)]
     if config.headless:
         command.append("--headless")
+    # processed_logprobs: logprobs of the distribution actually sampled from (after temperature, top-k,
+    # top-p), the ones the importance ratio needs. `--generation-config vllm`: vLLM's own sampling defaults,
+    # not the model's generation_config.json, so a request that leaves temperature out means the same on
+    # both engines. `--enable-scale-out` mounts /inference/v1/generate (tokens in, tokens out), which the
+    # train client calls (403 without it). The dev routes (/pause, /collective_rpc, ...) come from
+    # VLLM_SERVER_DEV_MODE in vllm_environment.
     command += ["--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", "--enable-scale-out"]
-    command += ["--max-logprobs", str(max_logprobs), "--worker-extension-cls", "lib.vllm.TiedOutputLayer"]
+    # The same logprobs limit as the builtin engine's (vLLM's default is 20).
+    command += ["--max-logprobs", str(max_logprobs), "--worker-extension-cls", "lib.vllm.ServedWeights"]
+    # Each sampled token's kept ids (`sampling_mask` on /inference/v1/generate), which the trainer renormalises
+    # over. vLLM then refuses any request with top_k <= 0 or temperature <= 0; Model Runner V2 only (GPUs).
+    if return_sampling_mask:
+        command.append("--return-sampling-mask")
+    # LoRA adapters loaded at run time (/v1/load_lora_adapter, mounted by VLLM_ALLOW_RUNTIME_LORA_UPDATING);
+    # vLLM takes only some ranks, so the rank is rounded up to one.
     if max_lora_rank:
         if max_lora_rank > LORA_RANKS[-1]:
             raise UserError(
@@ -124,14 +122,18 @@ def vllm_command(
             )
         rank = min(r for r in LORA_RANKS if r >= max_lora_rank)
         command += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "1"]
-    if config.tool_call_parser and not config.headless:  # the API server parses chat answers
+    # Chat answers to requests that offer tools carry the model's `<tool_call>` blocks as OpenAI
+    # `tool_calls` (the eval client needs them; the train client parses completions itself), as the builtin
+    # engine's do. Only the API server parses chat answers.
+    if config.tool_call_parser and not config.headless:
         command += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
     return command + list(config.extra_args)
 
 
-class TiedOutputLayer:
-    """vLLM worker extension: `/collective_rpc` method `refresh_tied_output_layer`, which sync.py calls after
-    every reload of a model whose output layer is its embedding (Qwen3 up to 4B).
+class ServedWeights:
+    """vLLM worker extension: the `/collective_rpc` methods sync.py calls after every reload, run in each
+    engine's worker. `refresh_tied_output_layer` repacks a tied output layer (Qwen3 up to 4B) on the CPU
+    build; `weight_fingerprint` shows what the engine computes with (lib/fingerprint.py).
 
     vLLM 0.32's CPU build computes the output layer from a packed copy of its weight, made once the weights
     are loaded; an in-place reload repacks the layers it loaded weights into, and the tied output layer gets
@@ -150,6 +152,69 @@ class TiedOutputLayer:
         head.quant_method.process_weights_after_loading(head)
         return True
 
+    def weight_fingerprint(self, written: str | None = None) -> dict:
+        """{"dtype", "engine", "weights": {Hugging Face weight name: fingerprint}} of what this engine computes
+        with. Given the `written` fingerprints (JSON), a ValueError names the first served weight that differs:
+        with data parallel /collective_rpc answers with the first engine's result only, but any engine's
+        error fails the call.
+
+        A CPU build's linear layer (the output layer too) computes from a packed copy and keeps no weight:
+        its kernel applied to one-hot inputs returns exact columns of what it computes with. Elsewhere (GPU
+        kernels, embeddings, norms) the parameters are what the kernels read. A fused layer (qkv_proj,
+        gate_up_proj) is split into the weights it was loaded from."""
+        import torch
+        from vllm.model_executor.layers.linear import LinearBase
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+        from lib import fingerprint
+
+        config = self.parallel_config
+        if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
+            return {"unsupported": "tensor or pipeline parallel engines hold weights in shards"}
+        model = self.get_model()
+        packed = getattr(model, "packed_modules_mapping", {})
+        served, dtype = {}, None
+        for module_name, module in model.named_modules():
+            name = module_name.replace(".base_layer", "")  # a LoRA-enabled layer wraps the base one
+            if isinstance(module, LinearBase | ParallelLMHead):
+                if isinstance(module, ParallelLMHead):
+                    num_inputs, rows = module.embedding_dim, module.org_vocab_size
+                else:
+                    num_inputs, rows = module.input_size_per_partition, None
+                dtype = dtype or (module.weight.dtype if module.weight.numel() else module.params_dtype)
+                picked = fingerprint.columns(num_inputs)
+                if hasattr(module, "cpu_linear"):
+                    one_hot = torch.zeros(len(picked), num_inputs, dtype=module.params_dtype)
+                    one_hot[torch.arange(len(picked)), picked] = 1
+                    outputs = module.cpu_linear(one_hot, module.weight, None)  # (columns, outputs)
+                else:
+                    outputs = module.weight[:, picked.to(module.weight.device)].t()  # (columns, outputs)
+                outputs = outputs[:, :rows]  # the output layer's padding rows are no weights
+                parts = packed.get(name.rpartition(".")[2])
+                if parts:
+                    prefix = name.rpartition(".")[0]
+                    sizes = module.output_partition_sizes
+                    for part, values in zip(parts, outputs.split(sizes, dim=1), strict=True):
+                        served[f"{prefix}.{part}.weight"] = fingerprint.of_values(values)
+                else:
+                    served[f"{name}.weight"] = fingerprint.of_values(outputs)
+                if getattr(module, "bias", None) is not None:
+                    served[f"{name}.bias"] = fingerprint.of_tensor(module.bias)
+            elif isinstance(module, VocabParallelEmbedding):
+                served[f"{name}.weight"] = fingerprint.of_tensor(module.weight[: module.org_vocab_size])
+            else:
+                for param_name, param in module.named_parameters(recurse=False):
+                    served[f"{name}.{param_name}"] = fingerprint.of_tensor(param)
+        answer = {"dtype": str(dtype).removeprefix("torch."), "engine": config.data_parallel_index}
+        answer["weights"] = served
+        if written is not None:
+            difference = fingerprint.first_difference(json.loads(written), served)
+            if difference is not None:
+                raise ValueError(
+                    f"engine {config.data_parallel_index} computes with other weights: {difference}"
+                )
+        return answer
+
 
 def vllm_environment(
     api_key: str | None,
@@ -164,8 +229,10 @@ def vllm_environment(
     if lora:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     if config is not None and config.cpu_kv_cache_gib is not None:
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kv_cache_gib)
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kv_cache_gib)  # CPU build: GiB of KV cache
     if api_key:
+        # Read like --api-key, but absent from the process list. vLLM checks it on /v1 and /inference only:
+        # its dev routes stay open, so the server binds 127.0.0.1 unless told otherwise.
         env["VLLM_API_KEY"] = api_key
     return env
 
