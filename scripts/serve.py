@@ -1,16 +1,19 @@
 """Serves a model over vLLM's HTTP dialect, and takes new weights while it runs.
 
-Two engines behind the same routes: vLLM on GPUs, and plainrl's builtin PyTorch engine
-(lib/engine.py, lib/decode.py, lib/protocol.py, lib/server.py) for CPUs, laptops and tests. `--engine auto` picks vLLM when it is
-installed and a GPU is visible, else the builtin engine, and logs which. With vLLM this process becomes
-`vllm serve` (lib/vllm.py lists its flags); the builtin engine is served by uvicorn.
+Two engines behind the same routes: vLLM on GPUs, and plainrl's builtin PyTorch engine for CPUs,
+laptops and tests (the package lib/server/: engine.py, decode.py, protocol.py, routes.py). `--engine
+auto` picks vLLM when it is installed and a GPU is visible, else the builtin engine, and logs which.
+With vLLM this process becomes `vllm serve` (lib/vllm.py lists its flags); the builtin engine is
+served by uvicorn.
 
 Both bind 127.0.0.1 unless --host says otherwise, and take $PLAINRL_API_KEY (or `--api-key`). New weights:
     curl -X POST $URL/pause?mode=wait
     curl -X POST $URL/collective_rpc -d '{"method": "reload_weights", "kwargs": {"weights_path": "outputs/run/weights/step_3"}}'
     curl -X POST $URL/resume
+
 A LoRA adapter (started with --max-lora-rank R; requests then name "policy-adapter" as their model):
     curl -X POST $URL/v1/load_lora_adapter -d '{"lora_name": "policy-adapter", "lora_path": "outputs/run/weights/step_3", "load_inplace": true}'
+
 The builtin engine loads only directories under --weights-root (default outputs/) and reports the
 weights' label (POST /update_weight_version) in every /inference/v1/generate choice (`weight_versions`).
 
@@ -19,7 +22,8 @@ Usage:
     python scripts/serve.py --model.name Qwen/Qwen3-0.6B --engine vllm --port 8000    # one GPU
     python scripts/serve.py --model.name Qwen/Qwen3-4B --engine vllm --vllm.tensor-parallel-size 2 --vllm.data-parallel-size 4
     # two nodes with 4 GPUs each, 8 replicas behind node 1's endpoint: node 1, then node 2
-    PLAINRL_API_KEY=KEY python scripts/serve.py --model.name Qwen/Qwen3-4B --engine vllm --host 0.0.0.0 --vllm.data-parallel-size 8 --vllm.data-parallel-size-local 4 --vllm.data-parallel-address 10.0.0.1 --vllm.data-parallel-rpc-port 13345
+    export PLAINRL_API_KEY=$(cat ~/.plainrl_key)        # a key from a file, never on the command line
+    python scripts/serve.py --model.name Qwen/Qwen3-4B --engine vllm --host 0.0.0.0 --vllm.data-parallel-size 8 --vllm.data-parallel-size-local 4 --vllm.data-parallel-address 10.0.0.1 --vllm.data-parallel-rpc-port 13345
     python scripts/serve.py --model.name Qwen/Qwen3-4B --engine vllm --vllm.data-parallel-size 8 --vllm.data-parallel-size-local 4 --vllm.data-parallel-address 10.0.0.1 --vllm.data-parallel-rpc-port 13345 --vllm.headless --vllm.data-parallel-start-rank 4
 """
 
@@ -60,6 +64,10 @@ class Config:
     max_lora_rank: int = 0
     """Take LoRA adapters of up to this rank at run time (POST /v1/load_lora_adapter, which rl.py's adapter
     sync uses); 0 = off. vLLM: --enable-lora --max-lora-rank (rounded up to a rank vLLM takes) --max-loras 1."""
+    return_sampling_mask: bool = False
+    """/inference/v1/generate returns each sampled token's kept ids (`sampling_mask`, the ids top-k/top-p
+    left), and every request must then sample with temperature > 0 and top_k > 0, both engines. vLLM:
+    --return-sampling-mask (Model Runner V2, GPUs only in 0.32)."""
     vllm: VllmConfig = dataclasses.field(default_factory=VllmConfig)
     """vLLM-only settings."""
 
@@ -110,7 +118,15 @@ def main(cfg: Config) -> None:
 
     # ------------------------------------------------------------ vLLM: hand the process over
     if engine == "vllm":
+        import torch
+
         from lib.vllm import exec_vllm, vllm_command, vllm_environment
+
+        if cfg.return_sampling_mask and not torch.cuda.is_available():
+            raise UserError(
+                "vLLM's CPU build cannot return sampling masks (its Model Runner V2 needs Triton's CPU "
+                "backend): serve with --engine torch, or leave --return-sampling-mask off and recompute."
+            )
 
         command = vllm_command(
             cfg.model.name,
@@ -123,6 +139,7 @@ def main(cfg: Config) -> None:
             cfg.max_logprobs,
             cfg.max_model_len,
             cfg.max_lora_rank,
+            cfg.return_sampling_mask,
         )
         env = vllm_environment(api_key, cfg.vllm, lora=cfg.max_lora_rank > 0)
         shown = {k: v for k, v in env.items() if k.startswith("VLLM_") and k != "VLLM_API_KEY"}
@@ -133,11 +150,19 @@ def main(cfg: Config) -> None:
     # ------------------------------------------------------------ builtin engine
     import uvicorn
 
-    from lib.engine import Engine
-    from lib.server import build_app
+    from lib.server.engine import Engine
+    from lib.server.routes import build_app
 
     engine = Engine(cfg.model, cfg.max_batch_size, cfg.max_model_len, cfg.seed)
-    app = build_app(engine, served_model_name, api_key, cfg.weights_root, cfg.max_logprobs, cfg.max_lora_rank)
+    app = build_app(
+        engine,
+        served_model_name,
+        api_key,
+        cfg.weights_root,
+        cfg.max_logprobs,
+        cfg.max_lora_rank,
+        return_sampling_mask=cfg.return_sampling_mask,
+    )
     log.info(
         "serving %s on http://%s:%d/v1 (builtin engine on %s, weights root %s)",
         served_model_name,
@@ -146,7 +171,9 @@ def main(cfg: Config) -> None:
         engine.device,
         cfg.weights_root,
     )
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
+    # On SIGTERM or Ctrl-C, requests still waiting (on a paused engine, say) get 3 s, then their connections
+    # close: the clients see an error, not silence, and the server exits.
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=3)
 
 
 if __name__ == "__main__":

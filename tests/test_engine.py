@@ -1,13 +1,13 @@
-"""The builtin engine in-process (lib/engine.py, lib/decode.py): sampling filters, the queue, pause and close."""
+"""The builtin engine in-process (lib/server/engine.py, lib/server/decode.py): sampling filters, the queue, pause and close."""
 
 import time
 
 import pytest
 import torch
 
-from lib.decode import SamplingParams, processed_logprobs
-from lib.engine import Engine
 from lib.model import ModelConfig
+from lib.server.decode import SamplingParams, processed_logprobs
+from lib.server.engine import Engine
 
 
 def test_top_k_and_top_p_filter_and_renormalise():
@@ -50,8 +50,8 @@ def test_a_wait_pause_after_a_keep_pause_lets_the_held_sequence_finish(tiny_dir)
 
 
 def test_a_decode_step_returns_the_finished_rows_and_keeps_the_others(tiny_dir):
-    from lib.decode import Decoder, Sequence
     from lib.model import load_model
+    from lib.server.decode import Decoder, Sequence
 
     model = load_model(ModelConfig(name=str(tiny_dir), device="cpu"))
     decoder = Decoder(model, pad_id=0, detokenize=lambda ids, skip: "x" * len(ids), seed=0)

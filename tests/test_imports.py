@@ -1,4 +1,4 @@
-"""lib/ imports run one way: every import in lib/, those inside functions included, forms no cycle."""
+"""lib/ imports run one way: no cycle, and the builtin server (lib/server/) stays a program of its own."""
 
 import ast
 from pathlib import Path
@@ -72,7 +72,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_lib_imports_form_no_cycle():
     names = module_names()
     graph = {module: imports_of(path, module, set(names)) for module, path in names.items()}
-    assert "lib.envs" in graph["lib.rollouts"], "the walk must see imports"
+    assert "lib.envs" in graph["lib.producer"], "the walk must see imports"
     # Tasksets before episodes, and loading a model needs no SFT data code.
     assert "lib.envs" not in graph["lib.tasks"] and "lib.data" not in graph["lib.model"]
     cycle = find_cycle(graph)
@@ -85,8 +85,41 @@ def test_the_walk_finds_a_cycle_made_inside_a_function(tmp_path):
     assert imports_of(path, "lib.tasks", {"lib.envs", "lib.tasks"}) == {"lib.envs"}
     graph = {
         "lib.tasks": {"lib.envs"},
-        "lib.envs": {"lib.rollouts"},
-        "lib.rollouts": {"lib.tasks"},
+        "lib.envs": {"lib.producer"},
+        "lib.producer": {"lib.tasks"},
         "lib.a": set(),
     }
-    assert find_cycle(graph) == ["lib.envs", "lib.rollouts", "lib.tasks", "lib.envs"]
+    assert find_cycle(graph) == ["lib.envs", "lib.producer", "lib.tasks", "lib.envs"]
+
+
+# What the builtin server may take from the trainer's side: its errors, model loading, sampling settings and
+# the weight fingerprint that both sides of a reload compute.
+SERVER_MAY_IMPORT = {"lib.config", "lib.fingerprint", "lib.model", "lib.sampling"}
+
+
+def test_the_builtin_server_is_a_package_apart():
+    names = module_names()
+    graph = {module: imports_of(path, module, set(names)) for module, path in names.items()}
+    server = {module for module in names if module.startswith("lib.server")}
+    assert {"lib.server.engine", "lib.server.routes", "lib.server.decode", "lib.server.protocol"} <= server
+    for module in names.keys() - server:
+        if module.startswith("lib."):
+            assert not graph[module] & server, (
+                f"{module} imports the builtin server: {graph[module] & server}"
+            )
+    for module in server:
+        outside = {target for target in graph[module] - server if target.startswith("lib.")}
+        assert outside <= SERVER_MAY_IMPORT, f"{module} imports {outside - SERVER_MAY_IMPORT} from lib/"
+
+
+def test_library_docstrings_stay_short():
+    # What a long docstring explains belongs beside the code it explains (scripts' manuals are exempt).
+    long = []
+    for path in LIB.rglob("*.py"):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in [tree, *ast.walk(tree)]:
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                docstring = ast.get_docstring(node, clean=False) or ""
+                if docstring.count("\n") + 1 > 15:
+                    long.append(f"{path.relative_to(ROOT)}:{getattr(node, 'name', 'module')}")
+    assert not long, f"docstrings over 15 lines: {long}"

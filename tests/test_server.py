@@ -1,4 +1,4 @@
-"""The builtin server over real HTTP on the tiny model (lib/server.py, lib/protocol.py): vLLM's routes and
+"""The builtin server over real HTTP on the tiny model (lib/server/routes.py, lib/server/protocol.py): vLLM's routes and
 shapes, the OpenAI and verifiers clients, sampling semantics, logprobs, reload, bad input."""
 
 import asyncio

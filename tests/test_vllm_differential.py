@@ -4,9 +4,11 @@ each engine's sampled logprobs equal the other engine's for the same tokens, at 
 
 The other engine scores a completion as a prompt: vLLM's `prompt_logprobs` over the whole vocabulary (the
 raw distribution), and for the builtin engine, which serves no prompt_logprobs, the forward it runs
-(transformers, fp32). Temperature, top-k and top-p are then applied to it as lib/decode.py applies them, so
+(transformers, fp32). Temperature, top-k and top-p are then applied to it as lib/server/decode.py applies them, so
 vLLM's sampled logprobs check that filter too.
 """
+
+import math
 
 import httpx
 import pytest
@@ -87,6 +89,17 @@ def requests(model: str) -> dict[str, tuple[str, str, dict | bytes | None]]:
             "POST",
             "/inference/v1/generate",
             {"model": model, "token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 2}},
+        ),
+        "template_kwargs_override": (
+            "POST",
+            "/v1/chat/completions",
+            {"model": model, "messages": messages, "max_tokens": 3, "return_token_ids": True}
+            | {"chat_template_kwargs": {"add_generation_prompt": False}},
+        ),
+        "tiny_temperature": (
+            "POST",
+            "/v1/completions",
+            {"model": model, "prompt": [5, 6, 7], "max_tokens": 4, "logprobs": 0, "temperature": 1e-45},
         ),
         "unknown_model": ("POST", "/v1/chat/completions", {"model": "nope", "messages": messages}),
         "negative_temperature": (
@@ -179,6 +192,13 @@ def test_every_route_answers_with_vllms_keys_types_and_status_codes(servers):
     for engine in servers:  # the label set above is what the weights report
         labelled = answers[engine]["generate_labelled"].json()["choices"][0]
         assert labelled["weight_versions"] == [{"version": "label-1", "start": 0, "end": 2}]
+    # chat_template_kwargs override the request's add_generation_prompt (before: a 500 from the builtin
+    # engine); a temperature below 0.01 is raised to 0.01 (before: NaN logprobs, then a 500).
+    prompts = {engine: answers[engine]["template_kwargs_override"].json() for engine in servers}
+    assert prompts["vllm"]["prompt_token_ids"] == prompts["builtin"]["prompt_token_ids"]
+    for engine in servers:
+        logprobs = answers[engine]["tiny_temperature"].json()["choices"][0]["logprobs"]["token_logprobs"]
+        assert all(math.isfinite(x) for x in logprobs), (engine, logprobs)
     generated = answers["vllm"]["generate"].json()["choices"][0]
     assert generated["weight_versions"][0]["version"] == "default"  # labelled after it ran
     assert generated["logprobs"]["content"][0]["token_id"] == generated["token_ids"][0]
@@ -223,7 +243,7 @@ def full_distribution(engine: str, servers, model_dir, token_ids: list[int], voc
 def test_sampled_logprobs_agree_across_engines(servers, trained_tiny, temperature, top_p, top_k):
     from transformers import AutoConfig
 
-    from lib.decode import processed_logprobs
+    from lib.server.decode import processed_logprobs
 
     vocab_size = AutoConfig.from_pretrained(trained_tiny).vocab_size
     worst = 0.0

@@ -10,8 +10,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
 from lib.config import UserError
-from lib.decode import LOGPROB_FLOOR, Completion, SamplingParams
-from lib.tools import parse_tool_calls
+from lib.server.decode import LOGPROB_FLOOR, Completion, SamplingParams
+from lib.server.tools import parse_tool_calls
 
 # Options the builtin engine does not implement, each with the value that leaves it off. Any other value
 # is refused with 400 rather than ignored: penalties, min_p, logit_bias... would change the distribution
@@ -102,7 +102,8 @@ class SamplingFields(BaseModel):
         return SamplingParams(
             # Like vLLM: without max_tokens, generate up to the end of the context.
             max_tokens=self.max_tokens or max(max_model_len - prompt_length, 1),
-            temperature=1.0 if self.temperature is None else self.temperature,
+            # vLLM 0.32 raises 0 < temperature < 0.01 to 0.01 (a smaller one overflows the logits).
+            temperature=1.0 if self.temperature is None else self.temperature and max(self.temperature, 0.01),
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or -1,
             n=self.n or 1,
@@ -369,7 +370,7 @@ def generate_choice(index: int, completion: Completion, k: int | None) -> dict:
         "stop_reason": completion.stop_reason,
         "token_ids": completion.token_ids,
         "routed_experts": None,
-        "sampling_mask": None,
+        "sampling_mask": completion.sampling_mask,
         "weight_versions": [
             {"version": version, "start": start, "end": end}
             for version, start, end in completion.weight_versions

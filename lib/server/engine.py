@@ -1,4 +1,4 @@
-"""The builtin inference engine's request queue and its pause/reload state machine; lib/decode.py runs the model."""
+"""The builtin inference engine's request queue and its pause/reload state machine; lib/server/decode.py runs the model."""
 
 import collections
 import concurrent.futures
@@ -10,10 +10,11 @@ from pathlib import Path
 
 import torch
 
+from lib import fingerprint
 from lib.config import UserError
-from lib.decode import Batch, Completion, Decoder, SamplingParams, Sequence
 from lib.model import ModelConfig, load_model, load_tokenizer
-from lib.protocol import Tokenizer
+from lib.server.decode import Batch, Completion, Decoder, SamplingParams, Sequence
+from lib.server.protocol import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -247,6 +248,18 @@ class Engine:
             self._swap(tensors)
             log.info("loaded LoRA adapter %s (reload %d)", directory, self.reloads)
             return self.reloads
+
+    def weight_fingerprint(self) -> dict:
+        """{"dtype", "engine", "weights": {weight name: fingerprint}} of the parameters the model computes with,
+        a merged adapter included (lib/fingerprint.py), the tied output layer under its own name too."""
+        weights, seen = {}, {}  # a tied output layer is the embedding's tensor: fingerprinted once
+        with self._reload_lock:  # never half-way through a swap
+            for name, param in self.model.named_parameters(remove_duplicate=False):
+                if id(param) not in seen:
+                    seen[id(param)] = fingerprint.of_tensor(param.detach())
+                weights[name] = seen[id(param)]
+        dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        return {"dtype": dtype, "engine": 0, "weights": weights}
 
     def _swap(self, tensors: dict[str, torch.Tensor]) -> None:
         with self._cond:

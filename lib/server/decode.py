@@ -38,6 +38,8 @@ class SamplingParams:
     """Leave special tokens out of the text."""
     include_stop_str_in_output: bool = False
     """Keep the matched stop string at the end of the text."""
+    sampling_mask: bool = False
+    """Also return each sampled token's kept set: the ids top-k/top-p left (vLLM's --return-sampling-mask)."""
 
 
 @dataclasses.dataclass
@@ -60,6 +62,8 @@ class Completion:
     """The stop token id or stop string that ended the sequence (None for the end-of-sequence token)."""
     weight_versions: list[tuple[str, int, int]]
     """(label, start, end): tokens [start, end) were sampled by the weights labelled so (vLLM's spans)."""
+    sampling_mask: list[list[int]] | None = None
+    """Per sampled token, the ids its top-k/top-p step kept, ascending (vLLM's `sampling_mask`); None unless asked."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -76,6 +80,8 @@ class Sequence:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     ranks: list[int] = dataclasses.field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    # Per token, when params.sampling_mask: the ids the filter kept.
+    kept_ids: list[list[int]] = dataclasses.field(default_factory=list)
     text: str | None = None
     version_starts: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # (label, first token)
 
@@ -100,16 +106,14 @@ Finished = list[tuple[Sequence, Completion]]
 
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Sets logits outside each row's top-k, then outside its top-p nucleus, to -inf (vLLM's order and ties)."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
-    rank = torch.arange(logits.shape[-1], device=logits.device)
-    sorted_logits = sorted_logits.masked_fill(rank >= top_k[:, None], float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # (B, V) mass of the strictly more likely tokens
-    # Rows with top_p = 1 are left alone: rounding could otherwise push the cumulative mass past 1.
-    outside = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
-    sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    """Sets logits outside each row's top-k, then outside its top-p nucleus, to -inf, by vLLM's CPU rules
+    (lib/sampling.py kept_mask: every tie at the k-th value kept, top-p on the ascending cumulative sum). As
+    in vLLM, a step no row of the batch uses (top_k = V, top_p = 1 everywhere) is skipped for all rows."""
+    from lib.sampling import kept_mask
+
+    top_k = None if bool((top_k >= logits.shape[-1]).all()) else top_k
+    top_p = None if bool((top_p >= 1).all()) else top_p
+    return logits.masked_fill(~kept_mask(logits, top_k, top_p), float("-inf"))
 
 
 def processed_logprobs(
@@ -224,12 +228,16 @@ class Decoder:
         tokens_list, chosen_list = tokens.tolist(), chosen.tolist()
         if k:
             top_values, top_ids = top_values.clamp(min=LOGPROB_FLOOR).tolist(), top_ids.tolist()
+        # The kept set is what the filter left finite: ascending ids, as vLLM compacts them.
+        kept = logprobs.isfinite() if any(s.params.sampling_mask for s in seqs) else None  # (B, V)
         keep = []
         for row, seq in enumerate(seqs):
             token = tokens_list[row]
             if not seq.version_starts or seq.version_starts[-1][0] != label:
                 seq.version_starts.append((label, len(seq.token_ids)))
             seq.token_ids.append(token)
+            if seq.params.sampling_mask:
+                seq.kept_ids.append(kept[row].nonzero().squeeze(-1).tolist())
             seq.logprobs.append(chosen_list[row])
             seq.ranks.append(ranks[row])
             if seq.params.top_logprobs:
@@ -276,8 +284,9 @@ class Decoder:
         )
         ends = [start for _, start in seq.version_starts[1:]] + [len(seq.token_ids)]
         spans = [(label, start, end) for (label, start), end in zip(seq.version_starts, ends)]
+        kept = seq.kept_ids if seq.params.sampling_mask else None
         return Completion(
-            seq.token_ids, seq.logprobs, seq.ranks, seq.top_logprobs, text, reason, stop_reason, spans
+            seq.token_ids, seq.logprobs, seq.ranks, seq.top_logprobs, text, reason, stop_reason, spans, kept
         )
 
     def select(self, batch: Batch, keep: list[int]) -> Batch:

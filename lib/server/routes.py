@@ -4,6 +4,7 @@ tests/test_vllm_differential.py holds the answers to vLLM's JSON keys, types and
 """
 
 import asyncio
+import json
 import secrets
 import time
 import uuid
@@ -16,9 +17,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from lib.config import UserError
-from lib.decode import Completion, SamplingParams
-from lib.engine import Engine
-from lib.protocol import (
+from lib.fingerprint import first_difference
+from lib.server.decode import Completion, SamplingParams
+from lib.server.engine import Engine
+from lib.server.protocol import (
     NULL_FEATURE_FIELDS,
     ChatRequest,
     CompletionRequest,
@@ -44,9 +46,11 @@ def build_app(
     weights_root: Path,
     max_logprobs: int = 20,
     max_lora_rank: int = 0,
+    return_sampling_mask: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving `engine` under `served_model_name` (and a LoRA adapter's name once one is
-    loaded, when `max_lora_rank` > 0)."""
+    loaded, when `max_lora_rank` > 0). `return_sampling_mask`: /inference/v1/generate returns each sampled
+    token's kept ids, and, as vLLM's --return-sampling-mask, every request must sample with top_k > 0."""
     app = FastAPI(title="plainrl builtin engine")
     weights_root = Path(weights_root).expanduser().resolve()
     fingerprint = f"plainrl-builtin-{secrets.token_hex(4)}"
@@ -102,6 +106,14 @@ def build_app(
         return k or 0
 
     async def generate(prompt_ids: list[int], params: SamplingParams) -> list[Completion]:
+        if return_sampling_mask:  # vLLM's check, server-wide (vllm/v1/engine/input_processor.py), its words
+            if params.temperature <= 0:
+                raise UserError("sampling distribution replay requires temperature > 0")
+            if params.top_k <= 0:
+                raise UserError(
+                    "sampling distribution replay requires top_k > 0 to bound sampling mask size, reduce "
+                    "transfer overhead, and avoid potential OOMs"
+                )
         return await asyncio.wrap_future(engine.submit(prompt_ids, params))
 
     # ------------------------------------------------------------ status
@@ -123,12 +135,14 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest):
         check_model(body.model)
+        # As vLLM does, chat_template_kwargs override the request's own template settings.
+        template = {
+            "tools": body.tools,
+            "add_generation_prompt": body.add_generation_prompt and not body.continue_final_message,
+            "continue_final_message": body.continue_final_message,
+        }
         prompt_ids = engine.tokenizer.render_chat(
-            chat_messages(body),
-            tools=body.tools,
-            add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
-            continue_final_message=body.continue_final_message,
-            **(body.chat_template_kwargs or {}),
+            chat_messages(body), **(template | (body.chat_template_kwargs or {}))
         )
         if body.top_logprobs and not body.logprobs:
             raise UserError("top_logprobs needs logprobs to be true.")
@@ -197,6 +211,7 @@ def build_app(
         sampling = body.sampling_params
         top = check_logprobs(sampling.logprobs, "logprobs")
         params = sampling.to_params(len(body.token_ids), engine.max_model_len, top)
+        params.sampling_mask = return_sampling_mask  # vLLM returns them on this route only
         completions = await generate(body.token_ids, params)
         k = top if sampling.logprobs is not None else None
         response = {
@@ -247,10 +262,18 @@ def build_app(
     async def collective_rpc(body: RpcRequest):
         if body.method == "refresh_tied_output_layer":  # vLLM's CPU build needs it (lib/vllm.py); a reload
             return {"results": [False]}  # here rebuilds every layer
+        if body.method == "weight_fingerprint":  # as lib/vllm.py ServedWeights answers it
+            served = await asyncio.to_thread(engine.weight_fingerprint)
+            written = body.kwargs.get("written")
+            if written is not None:
+                difference = first_difference(json.loads(written), served["weights"])
+                if difference is not None:
+                    raise UserError(f"engine 0 computes with other weights: {difference}")
+            return {"results": [served]}
         if body.method != "reload_weights":
             raise UserError(
-                f"collective_rpc method {body.method!r} is not supported; use reload_weights or "
-                "refresh_tied_output_layer."
+                f"collective_rpc method {body.method!r} is not supported; use reload_weights, "
+                "refresh_tied_output_layer or weight_fingerprint."
             )
         weights_path = body.kwargs.get("weights_path")
         if not isinstance(weights_path, str) or not weights_path:
