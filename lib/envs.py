@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lib import patches
-from lib.buffer import Rollout
 from lib.config import UserError
+from lib.rollouts import Rollout
 
 # json_object and sft_conversations: eval.py and tests import them through lib.envs too.
 from lib.tasks import EnvConfig, TaskStream, json_object, resolve_id, sft_conversations, taskset_args  # noqa: F401
@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from lib.sampling import SamplingConfig
 
 API_KEY_VAR = "PLAINRL_API_KEY"
+# verifiers' stop conditions for an episode ended at a token limit (its max_turns limit counts no tokens).
+TOKEN_LIMIT_STOPS = ("max_input_tokens", "max_output_tokens", "max_total_tokens")
 
 
 def vf_env_config(env: EnvConfig) -> dict:
@@ -222,7 +224,10 @@ def training_samples(
 
     A failed episode gives no rollouts: its reward would be missing, not 0. A chat template that
     rewrites earlier turns forks an episode into several branches, each its own rollout. The other
-    arguments tag every rollout (see Rollout).
+    arguments tag every rollout (see Rollout). Every branch of an episode is truncated when any model turn
+    of the episode ended by length (a max_tokens that patches.fit_max_tokens shortened to fit seq_len ends
+    so too), or the episode stopped at a token limit: a turn cut anywhere, not only the last, is a cut
+    answer that the rest of the episode, and its reward, build on.
     """
     error = episode_error(episode)
     if error is not None:
@@ -231,6 +236,8 @@ def training_samples(
     for trace in episode.traces:
         if not trace.agent.trainable:
             continue
+        finish_reasons = [call.finish_reason or "" for call in trace.calls if call.error is None]
+        truncated = "length" in finish_reasons or trace.stop_condition in TOKEN_LIMIT_STOPS
         for branch in trace.branches:
             if not branch.trainable or not any(branch.sampled_mask):
                 continue  # eval-client traces carry no tokens
@@ -256,6 +263,25 @@ def training_samples(
                     task_id=task_id,
                     prompt="\n".join(f"[{m.role}] {m.content}" for m in messages[:first]),
                     episode=episode_index,
+                    finish_reasons=finish_reasons,
+                    truncated=truncated,
+                    **kept_sets(branch),
                 )
             )
     return rollouts, None
+
+
+def kept_sets(branch) -> dict:
+    """The branch's served kept sets (verifiers' SamplingMask: int32 ids and per-token counts, aligned with its
+    tokens) as Rollout fields, or none when the server sent none (or not for every sampled token)."""
+    import numpy as np
+
+    mask = branch.sampling_mask
+    if mask is None:
+        return {}
+    counts = np.asarray(mask.counts, dtype=np.int32)
+    sampled = np.asarray(branch.sampled_mask, dtype=bool)
+    # verifiers drops a turn's masks that do not match its tokens: a branch with one turn missing has none.
+    if len(counts) != len(sampled) or not (counts[sampled] > 0).all():
+        return {}
+    return {"kept_ids": np.asarray(mask.ids, dtype=np.int32), "kept_counts": counts}

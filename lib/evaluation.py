@@ -183,7 +183,10 @@ class Evaluator:
             model,
         )
         self.prefix = prefix
-        self.sampling, self.cfg, self.api_key, self.out = run_config.sampling, run_config.eval, api_key, out
+        from lib.sampling import bounded
+
+        self.sampling = bounded(run_config.sampling)  # top_k bounded, as rl.py's rollouts sample
+        self.cfg, self.api_key, self.out = run_config.eval, api_key, out
         self.history: list[tuple[int, dict]] = []
         """(step, eval/* scalars) of every evaluation so far."""
 
@@ -198,7 +201,12 @@ class Evaluator:
         out.mkdir(parents=True, exist_ok=True)
         runs = [("sampled", self.sampling, self.cfg.rollouts_per_example)]
         if self.cfg.greedy:
-            runs.append(("greedy", dataclasses.replace(self.sampling, temperature=0.0), 1))
+            greedy = dataclasses.replace(self.sampling, temperature=0.0)
+            if self.sampling.top_k > 0:
+                # A server returning kept sets (--return-sampling-mask) refuses temperature 0 and requests
+                # without top_k: top_k 1 at temperature 1 picks the same most likely token.
+                greedy = dataclasses.replace(self.sampling, temperature=1.0, top_k=1, top_p=1.0)
+            runs.append(("greedy", greedy, 1))
         metrics = {}
         for name, settings, rollouts in runs:
             ctx = model_context(self.base_url, self.model, settings, self.api_key)

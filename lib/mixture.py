@@ -1,4 +1,4 @@
-"""Several environments in one run: which one each draw takes, their task counters, metrics and evaluations.
+"""Several environments in one run: which one each draw takes, their task counters and evaluations.
 
 A mixture is `[env]` (the first environment) plus `env.mix`, one JSON object per further environment
 with EnvConfig's keys (`id`, `args` as an object, `num_examples`, `seed`, `ratio`):
@@ -8,8 +8,7 @@ with EnvConfig's keys (`id`, `args` as an object, `num_examples`, `seed`, `ratio
     ratio = 2
     mix = ['{"id": "alphabet_sort", "args": {"max_turns": 2}}', '{"id": "plainrl_calculator", "num_examples": 300}']
 
-`--env.mix '{"id": ...}' '{"id": ...}'` says the same on the command line, and the run's config.toml
-writes it back as it was given. Draw i takes environment `random.Random(f"{seed}:{i}")`'s weighted
+`--env.mix '{"id": ...}' '{"id": ...}'` says the same on the command line. Draw i takes environment `random.Random(f"{seed}:{i}")`'s weighted
 choice by ratio: a function of (seed, i) alone, so a resumed run continues the same sequence. Each
 environment keeps its own task counter (the n-th draw of an environment plays its task n), and a
 checkpoint saves the draw count and every counter.
@@ -20,7 +19,6 @@ import random
 import threading
 from pathlib import Path
 
-from lib.buffer import is_flat
 from lib.config import UserError
 from lib.tasks import TaskStream, env_configs
 
@@ -126,21 +124,3 @@ class Evaluations:
         }
         self.history.append((step, {f"eval/{key}": sum(v) / len(v) for key, v in rewards.items() if v}))
         return metrics
-
-
-def env_metrics(
-    groups: list[list], errors: dict, errors_before: dict, sources: list[Source]
-) -> dict[str, float]:
-    """Per environment (`env/<id>/...`): a step's reward mean (when it drew the environment), groups, flat
-    groups, tokens, and rollout errors (the producer's counts by environment now less `errors_before`)."""
-    metrics: dict[str, float] = {}
-    for name in (source.name for source in sources):
-        mine = [group for group in groups if group[0].env == name]
-        rewards = [r.reward for group in mine for r in group]
-        if rewards:
-            metrics[f"env/{name}/reward/mean"] = sum(rewards) / len(rewards)
-        metrics[f"env/{name}/groups"] = len(mine)
-        metrics[f"env/{name}/flat_groups"] = sum(is_flat([r.reward for r in group]) for group in mine)
-        metrics[f"env/{name}/errors"] = errors.get(name, 0) - errors_before.get(name, 0)
-        metrics[f"env/{name}/tokens"] = sum(len(r.token_ids) for group in mine for r in group)
-    return metrics

@@ -4,15 +4,13 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
-import json
 import threading
 import time
-from pathlib import Path
 
 from lib import envs, patches
-from lib.buffer import Buffer, Rollout, StepBatch, is_flat
 from lib.config import UserError
 from lib.inference import HEALTH_EVERY_S
+from lib.rollouts import AdvantageConfig, Buffer, Rollout, StepBatch, is_flat
 from lib.tasks import task_id
 
 # A run stops when no group has succeeded for this long (and many have failed): nothing works.
@@ -25,30 +23,11 @@ class Producer:
     """Samples groups of `rollouts_per_example` episodes per example, tags each rollout with the policy
     version that sampled it, and hands finished groups to a Buffer.
 
-    It never runs further ahead than the trainer allows: groups started before version v is published
-    serve steps up to v + max_async_level, so at most (version + max_async_level + 1) * examples_per_step
-    groups are ever started. With max_async_level = 0 it waits for each step's weights (on-policy).
-    Each episode is tagged with the version live when it gets its slot and sends its first request (not
-    when its group was queued behind others); a group is as old as its oldest episode. A multi-turn
-    episode that straddles a reload keeps the older version (its staleness is over-, never under-stated).
-    A group the buffer drops as stale, like a failed one, gives its slot back for a replacement.
-
-    With `seq_len`, every generate request asks for at most what is left of seq_len after its prompt,
-    and a group with a rollout still longer (a multi-turn episode whose later prompt fills the row) is
-    dropped whole before its advantages, counted as too long, and replaced like a failed one.
-
-    Tasks come from a Mixture (lib/mixture.py: one environment or several), which counts the draws and
-    each environment's tasks. A checkpoint saves its state and a resumed run starts there: the groups in
-    flight at the kill (at most (max_async_level + 1) * examples_per_step) are skipped, never replayed,
-    and the counters work as well for endless streams of tasks.
-
-    With `filter_flat_groups`, a group whose rewards are all equal (it teaches nothing) gives its slot
-    back for a new draw, within the same async budget, so steps train on groups with signal. At most
-    RESAMPLE_LIMIT * examples_per_step groups are replaced between two take()s (then flat groups pass, as
-    without the filter); take() reports the count as num_resampled. The trade-off: each replaced group
-    costs its sampling time, the step mix leans toward tasks of middling difficulty (too easy and too
-    hard ones are skipped, not learned from), and the draws depend on rewards, so a resume continues from
-    the saved counters but not the exact sequence an uninterrupted run would have drawn.
+    It never runs further ahead than max_async_level allows (0: it waits for each step's weights). A group
+    the buffer drops as stale, a failed one and one too long for seq_len give their slot back for a
+    replacement; so does a flat group with `filter_flat_groups`. Tasks come from a Mixture
+    (lib/mixture.py), whose counters a checkpoint saves: a resumed run skips the groups that were in
+    flight at the kill, never replays them. Each rule is explained where it is applied.
     """
 
     def __init__(
@@ -59,13 +38,15 @@ class Producer:
         examples_per_step: int,
         max_async_level: int,
         max_concurrent: int,
-        normalize_advantage: bool,
+        advantage: AdvantageConfig | None,
         start_version: int = 0,
         seq_len: int | None = None,
         filter_flat_groups: bool = False,
     ):
         assert contexts, "the producer needs at least one server"
         if seq_len is not None:
+            # Every generate request asks for at most what is left of seq_len after its prompt; a group with
+            # a rollout still longer (a later prompt of a multi-turn episode fills the row) is dropped whole.
             contexts = [
                 dataclasses.replace(c, sampling=c.sampling.model_copy(update={patches.SEQ_LEN_KEY: seq_len}))
                 for c in contexts
@@ -75,17 +56,18 @@ class Producer:
         self.max_async_level, self.filter_flat_groups = max_async_level, filter_flat_groups
         self.version = start_version
         self.started = start_version * examples_per_step  # groups started, counted in step units
-        self.num_resampled = 0  # flat groups replaced since the last take()
+        # Counts since the last take(), kept and reset by the loop's thread alone (_take): each error, flat
+        # group replaced and too-long rollout lands in exactly one step's batch.
+        self.replaced: list[list[Rollout]] = []  # flat groups replaced (filter_flat_groups)
         self.errors_by_env: dict[str, int] = {}
-        self.num_errors = 0
         self.num_too_long = 0  # rollouts in groups dropped for a rollout longer than seq_len
-        self.too_long_reported = 0  # of those, the ones a batch from take() already counted
+        self.num_errors = 0  # in the whole run
         self.errors: list[str] = []
         self.failed_in_a_row = 0  # groups that gave nothing to train on, since the last one that did
         self.last_success = time.monotonic()
         self.last_error = ""
         self.loop = asyncio.new_event_loop()
-        self.buffer = Buffer(examples_per_step, max_async_level, normalize_advantage, self._give_slot_back)
+        self.buffer = Buffer(examples_per_step, max_async_level, advantage, self._give_slot_back)
         self.semaphore = asyncio.Semaphore(max_concurrent)
         self.wakeup: asyncio.Event | None = None
         self.failure: BaseException | None = None
@@ -101,7 +83,7 @@ class Producer:
         `report(message)` gets each rollout error since the last call, as it comes, and `check()` runs
         every HEALTH_EVERY_S seconds (rl.py's: a server that died or froze ends the run in seconds, where
         the failing rollouts alone would take FAILURE_PATIENCE_S)."""
-        future = asyncio.run_coroutine_threadsafe(self.buffer.take(step), self.loop)
+        future = asyncio.run_coroutine_threadsafe(self._take(step), self.loop)
         checked = time.monotonic()
         while True:
             if check is not None and time.monotonic() - checked >= HEALTH_EVERY_S:
@@ -114,15 +96,21 @@ class Producer:
             if self.failure is not None:
                 raise RuntimeError("the rollout producer failed") from self.failure
             try:
-                batch = future.result(timeout=0.5)
+                return future.result(timeout=0.5)
             except TimeoutError:
                 continue
-            batch.num_too_long, self.too_long_reported = (
-                self.num_too_long - self.too_long_reported,
-                self.num_too_long,
-            )
-            batch.num_resampled, self.num_resampled = self.num_resampled, 0
-            return batch
+
+    async def _take(self, step: int) -> StepBatch:
+        """The buffer's batch for `step` with the counts since the previous one, read and reset here, in the
+        loop's thread, where they are counted."""
+        batch = await self.buffer.take(step)
+        counts = {
+            "num_too_long": self.num_too_long,
+            "replaced_groups": self.replaced,
+            "errors_by_env": self.errors_by_env,
+        }
+        self.num_too_long, self.replaced, self.errors_by_env = 0, [], {}
+        return dataclasses.replace(batch, **counts)
 
     def pop_errors(self) -> list[str]:
         """Error messages since the last call (at most 20 are kept between calls)."""
@@ -176,12 +164,15 @@ class Producer:
                 servers = itertools.cycle(self.contexts)
                 in_flight: set[asyncio.Task] = set()
                 while True:
+                    # Groups started before version v is published serve steps up to v + max_async_level.
                     limit = (self.version + self.max_async_level + 1) * self.examples_per_step
                     if self.started >= limit:
                         self.wakeup.clear()
                         await self.wakeup.wait()
                         continue
-                    source, task = self.mixture.draw()  # TaskStreams: drawn lazily, cycling finite tasksets
+                    # TaskStreams: drawn lazily, cycling finite tasksets. The mixture's counters count tasks
+                    # started, in flight ones included, so they work for endless streams too.
+                    source, task = self.mixture.draw()
                     self.started += 1
                     job = asyncio.create_task(self._group(source, task, next(servers)))
                     in_flight.add(job)
@@ -207,7 +198,9 @@ class Producer:
         async def one():
             async with self.semaphore:
                 # The weights live now serve the episode's first request: a group queued behind others
-                # may start on newer weights than were live when it was queued.
+                # may start on newer weights than were live when it was queued. A group is as old as its
+                # oldest episode, and a multi-turn episode that straddles a reload keeps the older version
+                # (its staleness is over-, never under-stated).
                 version = self.version
                 return version, await envs.run_episode(source.env, task, context)
 
@@ -237,9 +230,14 @@ class Producer:
             self._replace_failed_group()
             return
         self.failed_in_a_row, self.last_success = 0, time.monotonic()
+        # The filter: a flat group teaches nothing, so it gives its slot back, within the same async budget
+        # (its rewards still reach the step's metrics; the buffer drops flat groups that reach it from
+        # training). At most RESAMPLE_LIMIT * examples_per_step between two take()s, then flat groups pass.
+        # The cost: each replaced group's sampling time; the mix leans to tasks of middling difficulty; the
+        # draws depend on rewards, so a resume continues from the saved counters, not the same sequence.
         limit = RESAMPLE_LIMIT * self.examples_per_step
-        if self.filter_flat_groups and is_flat([r.reward for r in group]) and self.num_resampled < limit:
-            self.num_resampled += 1
+        if self.filter_flat_groups and is_flat([r.reward for r in group]) and len(self.replaced) < limit:
+            self.replaced.append(group)
             self._give_slot_back()
             return
         self.buffer.put(group)
@@ -276,14 +274,3 @@ class Producer:
         self.last_error = message
         if len(self.errors) < 20:
             self.errors.append(message)
-
-
-def write_records(path: Path, groups: list[list[Rollout]]) -> None:
-    """One JSON line per rollout of the step: environment, task id, prompt, completion, reward, advantage,
-    policy version."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fields = ("env", "task_id", "prompt", "completion", "reward", "advantage", "policy_version")
-    with path.open("w") as out:
-        for group in groups:
-            for r in group:
-                out.write(json.dumps({name: getattr(r, name) for name in fields}) + "\n")

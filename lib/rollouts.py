@@ -1,10 +1,16 @@
-"""Rollouts and their buffer: finished groups in, advantages out, stale and flat groups dropped."""
+"""Rollouts: the record each episode gives, group advantages, and the buffer each step's groups come from."""
 
 import asyncio
 import dataclasses
+import json
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclasses.dataclass
@@ -35,19 +41,56 @@ class Rollout:
     episode: int | None = None
     """Which episode of its group it comes from (None: an episode of its own): the branches of one episode (a chat template that
     rewrites history forks it) share its reward and its advantage, and count once in the group mean."""
+    finish_reasons: list[str] = dataclasses.field(default_factory=list)
+    """Why each model turn of its episode ended, in order: stop, length (max_tokens, or what seq_len left), ..."""
+    truncated: bool = False
+    """Its episode was cut by a token limit: any turn ended by length, not only the last (verifiers'
+    Trace.is_truncated looks at the last), or a verifiers token limit stopped it. loss.mask_truncated reads it."""
+    step_episode: int | None = None
+    """Set by the buffer: its episode's number among the episodes trained on in the step (branches share it)."""
+    kept_ids: "np.ndarray | None" = dataclasses.field(default=None, compare=False, repr=False)
+    """Served kept sets (the server's `sampling_mask`, verifiers' SamplingMask): the ids top-k/top-p left when
+    each sampled token was drawn, one token after the other (int32, 4 bytes an id); None when the server sent
+    none (the trainer recomputes them, or samples without top-k/top-p)."""
+    kept_counts: "np.ndarray | None" = dataclasses.field(default=None, compare=False, repr=False)
+    """How many of kept_ids each token owns, aligned with token_ids (int32, 4 bytes a token): > 0 exactly on
+    the loss mask."""
 
 
-def group_advantages(rewards: list[float], normalize: bool = False, eps: float = 1e-6) -> list[float]:
-    """reward - mean(group reward), optionally divided by (std + eps).
+@dataclasses.dataclass
+class AdvantageConfig:
+    baseline: Literal["group_mean", "rloo"] = "group_mean"
+    """What an episode's reward is compared with, among its group's episodes (branches count once).
+    group_mean: the group's mean reward (GRPO, arXiv:2402.03300);
+    rloo: the mean of the group's other episodes, n / (n - 1) times the former's advantage (arXiv:2402.14740)."""
+    normalize: Literal["none", "group", "step"] = "none"
+    """Divide advantages by their std. none: not at all (Dr. GRPO, arXiv:2503.20783);
+    group: the std over the group's episodes (GRPO);
+    step: the std over every episode trained on in the step (REINFORCE++, arXiv:2501.03262)."""
 
-    The group mean is GRPO's baseline (Shao et al. 2024, arXiv:2402.03300). The std is the sample
-    std (n - 1), as GRPO implementations compute it; leaving it out (the default) follows Dr. GRPO
-    (Liu et al. 2025, arXiv:2503.20783), which finds the division biases toward easy and hard prompts.
+
+def group_advantages(
+    rewards: list[float], normalize: bool = False, eps: float = 1e-6, baseline: str = "group_mean"
+) -> list[float]:
+    """reward - baseline, one reward per episode of the group, optionally divided by (std + eps).
+
+    The std is the advantages' sample std (n - 1), as GRPO implementations compute it; leaving it out (the
+    default) follows Dr. GRPO (Liu et al. 2025, arXiv:2503.20783), which finds the division biases toward
+    easy and hard prompts.
     """
-    mean = sum(rewards) / len(rewards)
-    adv = [reward - mean for reward in rewards]
+    total = sum(rewards)
+    if baseline == "group_mean":
+        # The group's mean reward: GRPO's baseline (Shao et al. 2024, arXiv:2402.03300).
+        adv = [reward - total / len(rewards) for reward in rewards]
+    elif baseline == "rloo":
+        # Leave one out: the mean of the other episodes' rewards, so an episode's own reward never enters its
+        # baseline (Kool et al. 2019; Ahmadian et al. 2024, arXiv:2402.14740).
+        assert len(rewards) > 1, "a leave-one-out baseline needs two episodes"
+        adv = [reward - (total - reward) / (len(rewards) - 1) for reward in rewards]
+    else:
+        raise ValueError(f"unknown advantage baseline {baseline!r} (choose group_mean or rloo).")
     if normalize and len(rewards) > 1:
-        std = statistics.stdev(rewards)
+        std = statistics.stdev(adv)
         adv = [a / (std + eps) for a in adv]
     return adv
 
@@ -57,8 +100,11 @@ def is_flat(rewards: list[float], tolerance: float = 1e-9) -> bool:
     return max(rewards) - min(rewards) <= tolerance
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class StepBatch:
+    """One step's rollouts and what happened to the groups on their way; the producer builds it once, in its
+    own thread, so every count belongs to exactly one step."""
+
     groups: list[list[Rollout]]
     """Every fresh group taken for the step, flat ones included (the reward metrics need them all);
     rollouts of non-flat groups carry their advantages."""
@@ -76,29 +122,53 @@ class StepBatch:
     """How long take() waited for the producer."""
     num_too_long: int = 0
     """Rollouts dropped (whole groups, before their advantages, flat or not) because one of the group's
-    rollouts was longer than seq_len; set by the producer: those dropped since the previous step."""
-    num_resampled: int = 0
-    """Flat groups the producer replaced by new ones since the previous step (filter_flat_groups)."""
+    rollouts was longer than seq_len, since the previous step."""
+    replaced_groups: list[list[Rollout]] = dataclasses.field(default_factory=list)
+    """Flat groups the producer replaced by new ones since the previous step (filter_flat_groups): sampled
+    for this step, so they count in the reward metrics, but never trained on."""
+    errors_by_env: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Rollout errors since the previous step, by environment."""
 
-    def metrics(self, env_id: str) -> dict[str, float]:
-        """The step's reward and rollout scalars, as logged; reward/<env> per environment of its rollouts
-        (`env_id` names those without one)."""
-        rewards = [r.reward for group in self.groups for r in group]
+    @property
+    def num_resampled(self) -> int:
+        return len(self.replaced_groups)
+
+    def metrics(self, env_id: str, env_names: tuple[str, ...] = ()) -> dict[str, float]:
+        """The step's reward and rollout scalars, as logged. Rewards cover every group sampled for the step:
+        the groups taken and the flat ones the filter replaced (stale and too-long groups are counted, not
+        averaged). reward/<env> per environment of its rollouts (`env_id` names those without one), and
+        env/<name>/... for each of a mixture's `env_names`."""
+        sampled = self.groups + self.replaced_groups
+        rewards = [r.reward for group in sampled for r in group]
         mean = sum(rewards) / len(rewards)
         by_env: dict[str, list[float]] = {}
-        for r in (r for group in self.groups for r in group):
+        for r in (r for group in sampled for r in group):
             by_env.setdefault(r.env or env_id, []).append(r.reward)
-        return {
+        metrics = {
             "reward/mean": mean,
             "reward/std": (sum((x - mean) ** 2 for x in rewards) / len(rewards)) ** 0.5,
             **{f"reward/{env}": sum(values) / len(values) for env, values in sorted(by_env.items())},
             "rollouts/flat_groups": self.num_flat_groups,
             "rollouts/stale_dropped": self.num_stale_rollouts,
             "rollouts/too_long": self.num_too_long,
+            "rollouts/truncated": sum(r.truncated for group in sampled for r in group),
             "rollouts/resampled": self.num_resampled,
             "rollouts/staleness_mean": self.staleness_mean,
             "rollouts/staleness_max": self.staleness_max,
+            "rollouts/errors": sum(self.errors_by_env.values()),
         }
+        for name in env_names:
+            mine = [group for group in self.groups if group[0].env == name]
+            replaced = [group for group in self.replaced_groups if group[0].env == name]
+            rewards = [r.reward for group in mine + replaced for r in group]
+            if rewards:
+                metrics[f"env/{name}/reward/mean"] = sum(rewards) / len(rewards)
+            metrics[f"env/{name}/groups"] = len(mine)
+            metrics[f"env/{name}/flat_groups"] = sum(is_flat([r.reward for r in group]) for group in mine)
+            metrics[f"env/{name}/resampled"] = len(replaced)
+            metrics[f"env/{name}/errors"] = self.errors_by_env.get(name, 0)
+            metrics[f"env/{name}/tokens"] = sum(len(r.token_ids) for group in mine for r in group)
+        return metrics
 
 
 class Buffer:
@@ -115,13 +185,13 @@ class Buffer:
         self,
         examples_per_step: int,
         max_async_level: int,
-        normalize_advantage: bool = False,
+        advantage: AdvantageConfig | None = None,
         on_stale: Callable[[], None] | None = None,
     ):
         assert examples_per_step > 0 and max_async_level >= 0, "bad buffer settings"
         self.examples_per_step = examples_per_step
         self.max_async_level = max_async_level
-        self.normalize_advantage = normalize_advantage
+        self.advantage = advantage or AdvantageConfig()
         # Called once per group dropped as stale, so the producer can sample a replacement.
         self.on_stale = on_stale
         self.queue: asyncio.Queue[list[Rollout]] = asyncio.Queue()
@@ -156,7 +226,7 @@ class Buffer:
             groups.append(group)
         wait_seconds = time.perf_counter() - start
 
-        rollouts, num_flat = [], 0
+        trained, num_flat = [], 0
         for index, group in enumerate(groups):
             # One reward per episode, however many branches it has: the mean is over episodes.
             episodes = [(i,) if r.episode is None else r.episode for i, r in enumerate(group)]
@@ -164,9 +234,26 @@ class Buffer:
             if is_flat(list(rewards.values())):
                 num_flat += 1
                 continue
-            advantages = group_advantages(list(rewards.values()), self.normalize_advantage)
-            by_episode = dict(zip(rewards, advantages))
-            groups[index] = [dataclasses.replace(r, advantage=by_episode[e]) for r, e in zip(group, episodes)]
+            advantages = group_advantages(
+                list(rewards.values()),
+                normalize=self.advantage.normalize == "group",
+                baseline=self.advantage.baseline,
+            )
+            trained.append((index, episodes, dict(zip(rewards, advantages))))
+        if self.advantage.normalize == "step" and trained:
+            # One std over every episode trained on in the step (REINFORCE++'s batch normalisation): a group
+            # whose rewards barely differ keeps its small advantages, where a group std would magnify them.
+            values = [a for _, _, by_episode in trained for a in by_episode.values()]
+            std = statistics.stdev(values) + 1e-6
+            trained = [(i, episodes, {e: a / std for e, a in by.items()}) for i, episodes, by in trained]
+        rollouts, numbers = [], {}  # numbers: (group, episode) -> the episode's number in the step
+        for index, episodes, by_episode in trained:
+            groups[index] = [
+                dataclasses.replace(
+                    r, advantage=by_episode[e], step_episode=numbers.setdefault((index, e), len(numbers))
+                )
+                for r, e in zip(groups[index], episodes)
+            ]
             rollouts += groups[index]
         staleness = [step - r.policy_version for group in groups for r in group]
         return StepBatch(
@@ -178,3 +265,14 @@ class Buffer:
             staleness_max=max(staleness),
             wait_seconds=wait_seconds,
         )
+
+
+def write_records(path: Path, groups: list[list[Rollout]]) -> None:
+    """One JSON line per rollout of the step: environment, task id, prompt, completion, reward, advantage,
+    policy version, and why each of its turns ended."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fields = "env task_id prompt completion reward advantage policy_version finish_reasons".split()
+    with path.open("w") as out:
+        for group in groups:
+            for r in group:
+                out.write(json.dumps({name: getattr(r, name) for name in fields}) + "\n")

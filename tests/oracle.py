@@ -17,13 +17,14 @@ from fastapi.responses import JSONResponse
 from lib.inference import free_port
 
 
-def oracle_app(conversations: list, tokenizer=None, broken: bool = False) -> FastAPI:
+def oracle_app(conversations: list, tokenizer=None, broken: bool = False, cut_turns: tuple = ()) -> FastAPI:
     """Answers turn k of a conversation with its k-th reference reply, found by the first user message.
 
     A conversation is a list of messages or {"messages", "tools"}; a reference reply with tool_calls is
     answered as a tool call (OpenAI tool_calls on chat completions, the chat template's <tool_call>
     text on /generate). With `broken`, every answer is an HTTP 500 (to test that failures are counted,
-    not raised).
+    not raised). On /generate, the turns (0, 1, ...) in `cut_turns` end as a token limit cuts them: the
+    reply's first 3 tokens, no end token, finish reason length.
     """
     replies = {}
     for conversation in conversations:
@@ -103,10 +104,13 @@ def oracle_app(conversations: list, tokenizer=None, broken: bool = False) -> Fas
         rendered = tokenizer.apply_chat_template([reply(messages)], tokenize=False)
         completion = rendered.removeprefix("<|im_start|>assistant\n").removesuffix("<|im_end|>\n")
         ids = tokenizer.encode(completion, add_special_tokens=False) + [tokenizer.eos_token_id]
+        cut = sum(m["role"] == "assistant" for m in messages) in cut_turns
+        ids = ids[:3] if cut else ids
         logprobs = [{"token": f"token_id:{i}", "logprob": -0.25} for i in ids]
+        finish = "length" if cut else "stop"
         return {
             "choices": [
-                {"index": 0, "token_ids": ids, "logprobs": {"content": logprobs}, "finish_reason": "stop"}
+                {"index": 0, "token_ids": ids, "logprobs": {"content": logprobs}, "finish_reason": finish}
             ]
         }
 

@@ -116,6 +116,25 @@ def test_training_samples_hold_the_exact_tokens_with_user_turns_masked(tiny_dir)
     assert all((lp != 0.0) == m for lp, m in zip(sample.inference_logp, sample.loss_mask))
 
 
+def test_a_turn_cut_by_a_token_limit_truncates_every_rollout_of_its_episode(tiny_dir):
+    """verifiers' Trace.is_truncated looks at the last turn only; a rollout is truncated when any turn of its
+    episode was cut (all its branches: they share its reward), and records why each turn ended."""
+    from transformers import AutoTokenizer
+
+    env = EnvConfig(id="alphabet_sort", args=THREE_TURNS, num_examples=1)
+    vf_env = load_env(env)
+    conversation = sft_conversations(env)[0]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    for cut_turns, truncated in (((), False), ((0,), True)):
+        with serve(oracle_app([conversation], tokenizer, cut_turns=cut_turns)) as url:
+            ctx = model_context(url, "oracle", SamplingConfig(max_tokens=512), train=True, tokenizer=tiny_dir)
+            (episode,) = run(vf_env, load_tasks(vf_env, env)[0], ctx, 1)
+        samples, error = training_samples(episode)
+        assert error is None and samples and not episode.traces[0].is_truncated
+        expected = ["length" if turn in cut_turns else "stop" for turn in range(3)]
+        assert [(s.finish_reasons, s.truncated) for s in samples] == [(expected, truncated)] * len(samples)
+
+
 def test_an_exception_in_a_reward_is_an_error_not_a_crash(toy_on_path, tiny_dir):
     env = EnvConfig(id="toy_taskset", args='{"fail_in_reward": true}')
     vf_env = load_env(env)

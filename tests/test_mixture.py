@@ -3,6 +3,7 @@ per-environment metrics and evaluations on the tiny model."""
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -142,7 +143,9 @@ def trained_draws(out, step) -> list[tuple[str, str]]:
     return sorted({(r["env"], r["task_id"]) for r in records})
 
 
-def test_kill_9_and_resume_continues_the_identical_draw_sequence(tiny_dir, tmp_path):
+def test_kill_9_and_resume_continue_an_uninterrupted_runs_draw_sequence_past_the_groups_in_flight(
+    tiny_dir, tmp_path
+):
     from test_rl import FIXTURES, kill_at_step_6_then_resume, own_server_command
 
     from lib.envs import load_env, load_tasks
@@ -171,6 +174,19 @@ def test_kill_9_and_resume_continues_the_identical_draw_sequence(tiny_dir, tmp_p
         draws = [sequence.draw() for _ in range(2)]
         expected = sorted((source.name, task) for source, task in draws)
         assert trained_draws(out, step) == expected, step
+    # An uninterrupted run of the same command follows the same sequence from its first draw: the resumed
+    # run is that sequence, less the groups that were in flight at the kill (skipped, never replayed).
+    whole = tmp_path / "whole"
+    command = own_server_command(tiny_dir, whole, *flags, "--env.mix", reverse)
+    command[command.index("40")] = "8"  # --steps
+    subprocess.run(command, cwd=tmp_path, check=True, capture_output=True, env=env, timeout=600)
+    sequence = Mixture([Source(name, None, ids) for name, ids in tasks.items()])
+    sequence.sources[0].ratio = 3.0
+    for step in range(1, 9):
+        expected = sorted((source.name, task) for source, task in (sequence.draw() for _ in range(2)))
+        assert trained_draws(whole, step) == expected, step
+        if step <= 4:
+            assert trained_draws(out, step) == expected, step  # the killed run's first 4 steps
 
 
 def test_a_mixture_logs_reward_flat_groups_errors_tokens_and_evaluations_per_environment(
@@ -201,6 +217,14 @@ def test_a_mixture_logs_reward_flat_groups_errors_tokens_and_evaluations_per_env
         for v in scalars.get(f"env/{env}/reward/mean", {}).values()
     ]
     assert rewards and all(0 <= v <= 1 for v in rewards)
+    for step in (1, 2, 3):  # each environment's reward is the mean of its rollouts in the step's records
+        records = [json.loads(line) for line in (out / "rollouts" / f"step_{step}.jsonl").open()]
+        for env in ("letter_taskset", "reverse_text"):
+            mine = [r["reward"] for r in records if r["env"] == env]
+            logged = scalars.get(f"env/{env}/reward/mean", {}).get(step)
+            assert (logged is None) == (not mine), (step, env)
+            if mine:
+                assert logged == pytest.approx(sum(mine) / len(mine), rel=1e-5), (step, env)
     assert sum(scalars["env/letter_taskset/tokens"].values()) > 0
     logged = wandb_history(out)
     assert set(logged) == set(scalars)

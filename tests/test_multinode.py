@@ -203,7 +203,7 @@ def rl_args(tiny_dir, *extra) -> list[str]:
 def test_two_node_make_rl_matches_one_process_and_rank_0_writes(tiny_dir, servers, tmp_path, monkeypatch):
     from replay_rl import ReplayProducer
 
-    import lib.rollouts
+    import lib.producer
 
     url = servers[0].url
     out = tmp_path / "two"
@@ -215,7 +215,7 @@ def test_two_node_make_rl_matches_one_process_and_rank_0_writes(tiny_dir, server
         "weights/step_0"
     }
     assert_written_once_by_rank_0(tmp_path, out, expected)
-    monkeypatch.setattr(lib.rollouts, "Producer", ReplayProducer)
+    monkeypatch.setattr(lib.producer, "Producer", ReplayProducer)
     one = rl.main(
         parse(
             rl.Config,
@@ -256,7 +256,7 @@ def test_rl_spreads_rollouts_over_two_servers_and_reloads_both(tiny_dir, servers
     import httpx
     from transformers import AutoModelForCausalLM
 
-    from lib.rollouts import Producer
+    from lib.producer import Producer
 
     used = []
     group = Producer._group

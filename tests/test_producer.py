@@ -9,12 +9,12 @@ import types
 
 import pytest
 
-import lib.rollouts
+import lib.producer
 from lib import patches
-from lib.buffer import Rollout
 from lib.envs import model_context
 from lib.mixture import Mixture, Source
-from lib.rollouts import Producer
+from lib.producer import Producer
+from lib.rollouts import Rollout
 from lib.sampling import SamplingConfig
 
 
@@ -53,9 +53,9 @@ def fake_env(monkeypatch):
         )  # fmt: skip
         return [rollout] * branches, None
 
-    monkeypatch.setattr(lib.rollouts.envs, "serving", serving)
-    monkeypatch.setattr(lib.rollouts.envs, "run_episode", run_episode)
-    monkeypatch.setattr(lib.rollouts.envs, "training_samples", training_samples)
+    monkeypatch.setattr(lib.producer.envs, "serving", serving)
+    monkeypatch.setattr(lib.producer.envs, "run_episode", run_episode)
+    monkeypatch.setattr(lib.producer.envs, "training_samples", training_samples)
 
 
 class FakeTask(dict):
@@ -102,7 +102,7 @@ def one_env(tasks, start_index=0, name="fake") -> Mixture:
 
 def producer(tasks, examples_per_step=1, max_async_level=1, max_concurrent=64, start_index=0, **kwargs):
     mixture = one_env([FakeTask(task) for task in tasks], start_index)
-    return Producer(mixture, [None], 2, examples_per_step, max_async_level, max_concurrent, False, **kwargs)
+    return Producer(mixture, [None], 2, examples_per_step, max_async_level, max_concurrent, None, **kwargs)
 
 
 def test_an_episode_is_tagged_with_the_weights_of_its_first_request(fake_env):
@@ -231,7 +231,7 @@ def test_an_exception_outside_the_episodes_ends_the_run_with_its_traceback(fake_
     def broken(*args, **kwargs):
         raise AssertionError("ragged branch")
 
-    monkeypatch.setattr(lib.rollouts.envs, "training_samples", broken)
+    monkeypatch.setattr(lib.producer.envs, "training_samples", broken)
     run = producer([{"id": i} for i in range(10)])
     run.start()
     try:
@@ -259,7 +259,7 @@ def test_a_group_with_a_rollout_longer_than_seq_len_is_dropped_whole_before_its_
         {"id": 3, "reward": [0.0, 1.0, 0.5], "length": [2, 3, 5]},
     ]
     context = model_context("http://127.0.0.1:9/v1", "m", SamplingConfig(), train=True)  # the fake ignores it
-    run = Producer(one_env([FakeTask(t) for t in tasks]), [context], 3, 2, 0, 64, False, seq_len=8)
+    run = Producer(one_env([FakeTask(t) for t in tasks]), [context], 3, 2, 0, 64, None, seq_len=8)
     run.start()
     try:
         batch = take_within(run, 0)
@@ -275,7 +275,7 @@ def test_a_group_with_a_rollout_longer_than_seq_len_is_dropped_whole_before_its_
 
 def test_each_request_asks_for_what_is_left_of_seq_len_after_its_prompt():
     context = model_context("http://127.0.0.1:9/v1", "m", SamplingConfig(max_tokens=128), train=True)
-    run = Producer(one_env([FakeTask({"id": 0})]), [context], 2, 1, 0, 1, False, seq_len=192)
+    run = Producer(one_env([FakeTask({"id": 0})]), [context], 2, 1, 0, 1, None, seq_len=192)
     run.stop()
     sampling = run.contexts[0].sampling.model_dump(exclude_none=True)
 
@@ -338,4 +338,38 @@ def test_the_filter_passes_flat_groups_once_its_bound_is_reached(fake_env):
         batch = take_within(run, 0)
     finally:
         run.stop()
-    assert batch.num_flat_groups == 2 and batch.num_resampled == lib.rollouts.RESAMPLE_LIMIT * 2
+    assert batch.num_flat_groups == 2 and batch.num_resampled == lib.producer.RESAMPLE_LIMIT * 2
+
+
+def test_the_reward_metric_means_the_same_with_and_without_the_filter(fake_env):
+    # Half the tasks always solved, half solved by one rollout in two: the true mean is 0.75. Before, the
+    # filter's replaced groups never reached the metric, which read 0.500 with the filter and 0.750 without.
+    means = {}
+    for filtered in (False, True):
+        tasks = [{"id": i, "reward": [1.0] if i % 2 else [0.0, 1.0]} for i in range(400)]
+        run = producer(tasks, examples_per_step=4, filter_flat_groups=filtered)
+        run.start()
+        try:
+            batches = steps_of(run, 5)
+        finally:
+            run.stop()
+        means[filtered] = sum(b.metrics("fake")["reward/mean"] for b in batches) / len(batches)
+        assert all(b.num_flat_groups == 0 for b in batches) == filtered
+    assert means[False] == pytest.approx(0.75) and means[True] == pytest.approx(0.75, abs=0.1)
+    batch = batches[0]  # the filtered run's first step
+    assert batch.metrics("fake", ("fake",))["env/fake/resampled"] == len(batch.replaced_groups) > 0
+
+
+def test_every_error_is_counted_in_exactly_one_step(fake_env):
+    # Every other task has a failing episode while steps are taken: no error is lost between two steps or
+    # counted twice.
+    tasks = [{"id": i, "reward": [0.0, None] if i % 2 else [0.0, 1.0]} for i in range(200)]
+    run = producer(tasks, examples_per_step=2, max_async_level=2)
+    run.start()
+    try:
+        batches = steps_of(run, 6)
+    finally:
+        run.stop()
+    counted = sum(b.metrics("fake")["rollouts/errors"] for b in batches)
+    # After stop() the loop's thread is gone: what it counted since the last step is still in the producer.
+    assert counted > 0 and counted + sum(run.errors_by_env.values()) == run.num_errors

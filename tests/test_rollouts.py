@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from lib.buffer import Buffer, Rollout, group_advantages, is_flat
+from lib.rollouts import AdvantageConfig, Buffer, Rollout, group_advantages, is_flat
 
 
 def rollout(reward, version=0, length=4, first_token=0):
@@ -47,7 +47,7 @@ def test_take_drops_flat_and_stale_groups():
 
 def test_fully_on_policy_keeps_only_the_current_version():
     async def run():
-        buffer = Buffer(examples_per_step=1, max_async_level=0, normalize_advantage=True)
+        buffer = Buffer(examples_per_step=1, max_async_level=0, advantage=AdvantageConfig(normalize="group"))
         buffer.put([rollout(0.0, version=4), rollout(1.0, version=5)])  # one old rollout spoils the group
         buffer.put([rollout(0.0, version=5), rollout(1.0, version=5)])
         return await buffer.take(step=5)
@@ -84,3 +84,48 @@ def test_take_waits_for_the_producer_and_says_how_long():
     batch = asyncio.run(run())
     assert len(batch.rollouts) == 4
     assert 0.08 < batch.wait_seconds < 2
+
+
+def test_rloo_and_std_by_group_or_step_hand_computed():
+    # RLOO: reward - the mean of the others. (0, 0.5, 1): 0 - 0.75, 0.5 - 0.5, 1 - 0.25 = (-0.75, 0, 0.75),
+    # 3/2 of the group mean's (-0.5, 0, 0.5); over their std (0.75) the same (-1, 0, 1) as GRPO's.
+    assert group_advantages([0.0, 0.5, 1.0], baseline="rloo") == pytest.approx([-0.75, 0.0, 0.75])
+    assert group_advantages([0.0, 0.5, 1.0], normalize=True, baseline="rloo") == pytest.approx(
+        [-1.0, 0.0, 1.0], abs=1e-5
+    )
+
+    def take(advantage):
+        async def run():
+            buffer = Buffer(examples_per_step=3, max_async_level=0, advantage=advantage)
+            buffer.put([rollout(1.0), rollout(0.0)])
+            buffer.put([rollout(0.0), rollout(0.0), rollout(0.0), rollout(1.0)])
+            buffer.put([rollout(0.5), rollout(0.5)])  # flat: in no std
+            return await buffer.take(step=0)
+
+        return [r.advantage for r in asyncio.run(run()).rollouts]
+
+    # Group means: (0.5, -0.5) and (-0.25, -0.25, -0.25, 0.75). Over the step: sample std of the six is
+    # sqrt((0.25 + 0.25 + 3 x 0.0625 + 0.5625) / 5) = 0.5. Over each group: 0.7071 and 0.5.
+    assert take(AdvantageConfig()) == pytest.approx([0.5, -0.5, -0.25, -0.25, -0.25, 0.75])
+    assert take(AdvantageConfig(normalize="step")) == pytest.approx([1, -1, -0.5, -0.5, -0.5, 1.5], abs=1e-5)
+    assert take(AdvantageConfig(normalize="group")) == pytest.approx(
+        [0.7071, -0.7071, -0.5, -0.5, -0.5, 1.5], abs=1e-4
+    )
+    # RLOO, n = 2 then 4: (1 - 0, 0 - 1) and 4/3 of the group means'.
+    assert take(AdvantageConfig(baseline="rloo")) == pytest.approx([1, -1, -1 / 3, -1 / 3, -1 / 3, 1])
+
+
+def test_branches_of_an_episode_share_its_advantage_and_its_number_in_the_step():
+    import dataclasses
+
+    async def run():
+        buffer = Buffer(examples_per_step=2, max_async_level=0, advantage=AdvantageConfig(baseline="rloo"))
+        # Episode 1 (reward 1) forked into two branches, episode 2 (reward 0): RLOO over 2 episodes, not 3.
+        forked = [dataclasses.replace(rollout(1.0), episode=1), dataclasses.replace(rollout(1.0), episode=1)]
+        buffer.put([*forked, dataclasses.replace(rollout(0.0), episode=2)])
+        buffer.put([rollout(0.0), rollout(1.0)])  # episodes of their own (episode None)
+        return await buffer.take(step=0)
+
+    rollouts = asyncio.run(run()).rollouts
+    assert [r.advantage for r in rollouts] == pytest.approx([1, 1, -1, -1, 1])
+    assert [r.step_episode for r in rollouts] == [0, 0, 1, 2, 3]
