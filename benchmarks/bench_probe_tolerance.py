@@ -83,6 +83,7 @@ def main() -> None:
     from lib import inference, sync
     from lib.checkpoint import write_hf_dir
     from lib.config import parse
+    from lib.head import use_chunked_head
     from lib.qwen import QwenConfig, write_qwen
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -114,6 +115,7 @@ def main() -> None:
                 for label, model_dir in models.items():
                     sync.reload_weights([server.url], model_dir, None, label)
                     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+                    use_chunked_head(model)  # the trainer scores tokens through it
                     tokenizer = AutoTokenizer.from_pretrained(model_dir)
                     rows.append((label, engine, differences(server.url, model, tokenizer)))
         print(

@@ -76,7 +76,7 @@ SITE_VARIABLE = "PLAINRL_GPU_CHECK_SITE"  # set in the run on top of the install
 # fmt: off
 # What plainrl calls in torch that releases before the lock's 2.13 may lack: (module, name, keywords, caller).
 TORCH_APIS = [
-    ("torch.nn.attention.varlen", "varlen_attn", ("scale", "window_size", "enable_gqa"), "lib/packing.py"),
+    ("torch.nn.attention.varlen", "varlen_attn", ("scale", "window_size"), "lib/packing.py"),
     ("torch.distributed.fsdp", "fully_shard", ("mp_policy",), "lib/dist.py"),
     ("torch.distributed.fsdp", "MixedPrecisionPolicy", ("param_dtype", "reduce_dtype"), "lib/dist.py"),
     ("torch.distributed.checkpoint.state_dict", "StateDictOptions",

@@ -6,14 +6,89 @@ model's output layer, asked for scores (`token_scores`), computes the logits of 
 time, keeps only each token's logprob, entropy and log-normaliser, and recomputes a chunk's logits in
 backward. Only the tokens that are scored (the loss tokens) go through the output layer at all.
 
+With top-k/top-p sampling a token's logprob is renormalised over its kept set (KeptSets): the ids the
+server's filter left, served with the rollout or recomputed here from the trainer's logits by the server's
+rules. A chunk then holds one (n, V) bool mask more, and its kept ids are saved for backward.
+
 The scores are computed inside the model's own forward (the output layer's forward is replaced on the
 instance, so the state dict keeps its keys): under FSDP2 the output layer's weight is gathered only there.
 """
 
+import dataclasses
+
 import torch
+import torch.nn.functional as F
 
 CHUNK_TOKENS = 1024
 """Tokens per chunk: 1024 x 151,936 float32 logits are 0.62 GB, and a chunk needs about three of them."""
+KEPT_ELEMENTS = 1 << 24
+"""Logits whose kept sets are recomputed at a time (a whole number of rows, at least one): bounds
+lib/sampling.py kept_mask's (rows, V) temporaries, 64 MB each in float32 (110 rows of Qwen's vocabulary)."""
+
+
+@dataclasses.dataclass
+class KeptSets:
+    """Each scored token's kept set: the ids top-k/top-p left when it was sampled, which its logprob is
+    renormalised over. Served by the engine (`ids`, `counts`: vLLM's --return-sampling-mask, or the builtin
+    engine's), or recomputed from the trainer's own logits at `top_k`/`top_p` by vLLM's CPU rules
+    (lib/sampling.py kept_mask). A token outside its recomputed set scores -inf: its probability there is 0."""
+
+    top_k: int = -1
+    """Recomputed: the sampling's top_k (-1 = off)."""
+    top_p: float = 1.0
+    """Recomputed: the sampling's top_p (1 = off)."""
+    ids: torch.Tensor | None = None
+    """Served: the kept ids of every token, one token after the other in row-major order (int32); None = recompute."""
+    counts: torch.Tensor | None = None
+    """Served: how many kept ids each token has (int32), shaped like the tokens; 0 off the sampled tokens."""
+
+    @property
+    def served(self) -> bool:
+        return self.ids is not None
+
+    def select(self, rows: torch.Tensor) -> "KeptSets":
+        """Served sets of the tokens where `rows` (shaped like counts) is True, in row-major order; counts (N,)."""
+        if not self.served:
+            return self
+        counts = self.counts.flatten().long()  # (B * T,)
+        starts = F.pad(counts.cumsum(0), (1, 0))[:-1]  # (B * T,) where each token's ids begin
+        picked = counts[rows.flatten()]  # (N,)
+        begin = F.pad(picked.cumsum(0), (1, 0))[:-1]  # (N,) where they begin once selected
+        within = torch.arange(int(picked.sum()), device=counts.device) - begin.repeat_interleave(picked)
+        ids = self.ids[starts[rows.flatten()].repeat_interleave(picked) + within]  # (K,)
+        return KeptSets(ids=ids, counts=picked.int())
+
+
+def kept_in_chunk(logits, kept: KeptSets, first: int, offsets: list[int] | None):
+    """(n, V) bool: the kept sets of a chunk's rows, rows first.. of the KeptSets' (`offsets`: row_offsets of
+    served counts). Recomputed from `logits` (float32, divided by the temperature)."""
+    from lib.sampling import kept_mask
+
+    n, vocab = logits.shape
+    if kept.served:
+        rows = torch.arange(n, device=logits.device).repeat_interleave(kept.counts[first : first + n].long())
+        allowed = torch.zeros((n, vocab), dtype=torch.bool, device=logits.device)
+        allowed[rows, kept.ids[offsets[first] : offsets[first + n]].long()] = True
+    else:
+        top_k = torch.full((n,), kept.top_k, device=logits.device) if kept.top_k > 0 else None
+        top_p = torch.full((n,), kept.top_p, device=logits.device) if kept.top_p < 1 else None
+        rows = max(1, KEPT_ELEMENTS // vocab)
+        allowed = torch.cat(
+            [
+                kept_mask(
+                    logits[s : s + rows],
+                    None if top_k is None else top_k[s : s + rows],
+                    None if top_p is None else top_p[s : s + rows],
+                )
+                for s in range(0, n, rows)
+            ]
+        )  # (n, V)
+    return allowed
+
+
+def row_offsets(counts: torch.Tensor) -> list[int]:
+    """Where each row's ids begin in the flat ids, and the end: (N + 1) ints."""
+    return F.pad(counts.long().cumsum(0), (1, 0)).tolist()
 
 
 def compute_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -24,31 +99,64 @@ def compute_dtype(weight: torch.Tensor) -> torch.dtype:
 
 class ChunkedTokenLogprobs(torch.autograd.Function):
     """(hidden (N, H), weight (V, H), targets (N,)) -> logp (N,) of each target at `temperature`, and the
-    entropy (N,) of each next-token distribution (no gradient). Backward recomputes each chunk's logits."""
+    entropy (N,) of each next-token distribution. Backward recomputes each chunk's logits (and takes the
+    entropy's gradient, for an entropy bonus, from the same recomputed chunk).
+    With `kept` (KeptSets, one row per hidden row), both are of the distribution renormalised over the kept set,
+    the one the server sampled from: logp = logit / temperature - logsumexp over the kept ids."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature: float, chunk: int):
+    def forward(ctx, hidden, weight, targets, temperature: float, chunk: int, kept: KeptSets | None = None):
         dtype = compute_dtype(weight)
         weight_c = weight.to(dtype)
-        logp, entropy, normaliser = [], [], []
+        logp, entropy, normaliser, kept_ids, kept_counts = [], [], [], [], []
+        offsets = row_offsets(kept.counts) if kept is not None and kept.served else None
         for first in range(0, hidden.shape[0], chunk):
             logits = (hidden[first : first + chunk].to(dtype) @ weight_c.t()).float() / temperature  # (n, V)
+            if kept is not None:  # outside the kept set a token has probability 0: logp -inf
+                allowed = kept_in_chunk(logits, kept, first, offsets)  # (n, V)
+                logits.masked_fill_(~allowed, float("-inf"))
+                if kept.served:  # backward rebuilds the masks from the ids
+                    last = first + logits.shape[0]
+                    kept_ids.append(kept.ids[offsets[first] : offsets[last]])
+                    kept_counts.append(kept.counts[first:last])
+                else:
+                    kept_ids.append(allowed.nonzero()[:, 1].int())  # (k,)
+                    kept_counts.append(allowed.sum(-1, dtype=torch.int32))  # (n,)
             lse = logits.logsumexp(-1)  # (n,)
             logprobs = logits.sub_(lse[:, None])  # (n, V), in place: one (n, V) tensor at a time
+            plogp = logprobs.exp() * logprobs  # (n, V); 0 * -inf = nan outside the kept set, where it is 0
+            if kept is not None:
+                plogp = plogp.nan_to_num_(nan=0.0)
             logp.append(logprobs.gather(-1, targets[first : first + chunk, None]).squeeze(-1))
-            entropy.append(-(logprobs.exp() * logprobs).sum(-1))
+            entropy.append(-plogp.sum(-1))
             normaliser.append(lse)
-        none = hidden.new_zeros(0, dtype=torch.float32)  # a micro-batch without scored tokens
-        logp, entropy, normaliser = (torch.cat(x) if x else none for x in (logp, entropy, normaliser))
-        ctx.save_for_backward(hidden, weight, targets, normaliser)
+        # A micro-batch without scored tokens (a rank's padding one) gets three tensors, not one: an autograd
+        # Function's two outputs must be two tensors, and logp keeps its gradient for the backward every rank runs.
+        logp, entropy, normaliser = (
+            torch.cat(x) if x else hidden.new_zeros(0, dtype=torch.float32)
+            for x in (logp, entropy, normaliser)
+        )
+        if kept is None:
+            kept_ids = kept_counts = None
+        else:
+            empty = torch.zeros(0, dtype=torch.int32, device=hidden.device)
+            kept_ids, kept_counts = (torch.cat(x) if x else empty for x in (kept_ids, kept_counts))
+        ctx.save_for_backward(hidden, weight, targets, normaliser, entropy, kept_ids, kept_counts)
         ctx.dtype, ctx.temperature, ctx.chunk = dtype, temperature, chunk
-        ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)  # an output the loss does not use gets None in backward
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, targets, normaliser = ctx.saved_tensors
+        hidden, weight, targets, normaliser, entropy, kept_ids, kept_counts = ctx.saved_tensors
         dtype, temperature, chunk = ctx.dtype, ctx.temperature, ctx.chunk
+        if grad_logp is None:
+            grad_logp = torch.zeros_like(normaliser)
+        # The entropy's gradient costs one (n, V) operation more per chunk: only with an entropy bonus (without
+        # one the entropy reaches the loss nowhere, and its gradient is None or, through the scores' stack, 0).
+        with_entropy = grad_entropy is not None and bool(grad_entropy.any())
+        kept = None if kept_ids is None else KeptSets(ids=kept_ids, counts=kept_counts)
+        offsets = row_offsets(kept_counts) if kept is not None else None
         weight_c = weight.to(dtype)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         # A frozen output layer (LoRA) gets no float32 (V, H) buffer: 0.58 GiB at Qwen3-0.6B, 1.45 at Qwen3-4B.
@@ -61,8 +169,22 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
             h = hidden[first : first + chunk].to(dtype)  # (n, H)
             g = grad_logp[first : first + chunk].float()  # (n,)
             # d logp / d logits = onehot(target) - softmax, through the division by the temperature.
-            probs = ((h @ weight_c.t()).float() / temperature - normaliser[first : first + chunk, None]).exp()
-            grad_logits = probs.mul_(-g[:, None])  # (n, V)
+            lse = normaliser[first : first + chunk, None]  # (n, 1)
+            logprobs = (h @ weight_c.t()).float() / temperature - lse  # (n, V)
+            probs = logprobs.exp()  # (n, V)
+            if not with_entropy:  # only the entropy's gradient reads it: one (n, V) tensor fewer from here
+                del logprobs
+            if kept is not None:  # the softmax over the kept set only: 0 elsewhere
+                probs.masked_fill_(~kept_in_chunk(probs, kept, first, offsets), 0.0)
+            if with_entropy:
+                # d H / d logits = -p * (log p + H) per row, so the chunk's gradient is onehot(target) * g
+                # - p * (g + g_H * (log p + H)); outside a kept set p = 0 and log p stays finite here.
+                g_entropy = grad_entropy[first : first + chunk, None].float()  # (n, 1)
+                rows = logprobs.add_(entropy[first : first + chunk, None]).mul_(g_entropy)  # (n, V), in place
+                grad_logits = probs.mul_(rows.add_(g[:, None])).neg_()  # (n, V)
+                del rows, logprobs
+            else:
+                grad_logits = probs.mul_(-g[:, None])  # (n, V)
             grad_logits.scatter_add_(-1, targets[first : first + chunk, None], g[:, None])
             grad_logits = grad_logits.div_(temperature).to(dtype)
             if grad_hidden is not None:
@@ -70,7 +192,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
             if grad_weight is not None:
                 grad_weight += (grad_logits.t() @ h).float()
         grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def use_chunked_head(model) -> None:
@@ -85,9 +207,9 @@ def use_chunked_head(model) -> None:
     def forward(hidden):
         if head.scoring is None:
             return plain_forward(hidden)
-        targets, keep, temperature = head.scoring
+        targets, keep, temperature, kept = head.scoring
         logp, entropy = ChunkedTokenLogprobs.apply(
-            hidden[keep], head.weight, targets[keep], temperature, CHUNK_TOKENS
+            hidden[keep], head.weight, targets[keep], temperature, CHUNK_TOKENS, kept
         )
         scores = hidden.new_zeros((*keep.shape, 2), dtype=torch.float32)  # (B, T, 2): logp, entropy
         return scores.index_put((keep,), torch.stack([logp, entropy], -1))
@@ -95,25 +217,39 @@ def use_chunked_head(model) -> None:
     head.forward = forward
 
 
-def token_scores(model, input_ids, position_ids, targets, keep, temperature: float = 1.0):
+def token_scores(
+    model, input_ids, position_ids, targets, keep, temperature: float = 1.0, kept: KeptSets | None = None
+):
     """Per position t of (B, T) rows: log p(targets[t] | tokens <= t) at `temperature` and the entropy of that
-    distribution (no gradient), both float32 (B, T), 0 where `keep` is False. The model must have been through
-    use_chunked_head."""
+    distribution, both float32 with gradients (B, T), 0 where `keep` is False; `kept` (served: one row per True
+    of `keep`) renormalises both over each token's kept set. The model must have been through
+    use_chunked_head; next_token_scores is the entry point."""
+    from lib.packing import sequence_bounds
+
     head = model.get_output_embeddings()
-    head.scoring = (targets, keep.bool(), temperature)
+    assert hasattr(head, "scoring"), "score tokens with a model that went through use_chunked_head"
+    head.scoring = (targets, keep.bool(), temperature, kept)  # read by the forward use_chunked_head installed
+    bounds = sequence_bounds(position_ids, *input_ids.shape)  # once for every layer (lib/packing.py)
     try:
-        scores = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits  # (B, T, 2)
+        scores = model(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, packed_bounds=bounds
+        ).logits  # (B, T, 2)
     finally:
         head.scoring = None
     return scores[..., 0], scores[..., 1]
 
 
-def next_token_scores(model, input_ids, position_ids, mask, temperature: float = 1.0):
-    """token_scores aligned like loss.token_logp: log p(input_ids[t] | tokens < t) and its distribution's
-    entropy at position t of (B, T), 0 at position 0 and wherever `mask` (B, T) is False."""
-    import torch.nn.functional as F
-
+def next_token_scores(
+    model, input_ids, position_ids, mask, temperature: float = 1.0, kept: KeptSets | None = None
+):
+    """The one convention for scoring tokens (SFT, RL and the sync probe): at position t of (B, T) rows,
+    log p(input_ids[t] | tokens < t) at `temperature` and its distribution's entropy, float32, 0 at position
+    0 and wherever `mask` (B, T) is False; `mask` marks the tokens to train on (lib/packing.py). With `kept`
+    (served counts (B, T), at each sampled token's position) both are over each token's kept set, and a
+    token outside its recomputed set scores -inf."""
     targets = F.pad(input_ids[:, 1:], (0, 1))  # position t's hidden state predicts token t + 1
     keep = F.pad(mask[:, 1:].bool(), (0, 1))
-    logp, entropy = token_scores(model, input_ids, position_ids, targets, keep, temperature)
+    if kept is not None:  # served: the sets of the scored tokens, in the order their hidden states are scored
+        kept = kept.select(F.pad(mask[:, 1:].bool(), (1, 0)))
+    logp, entropy = token_scores(model, input_ids, position_ids, targets, keep, temperature, kept)
     return F.pad(logp[:, :-1], (1, 0)), F.pad(entropy[:, :-1], (1, 0))

@@ -44,6 +44,14 @@ class LossConfig:
     mask_truncated: bool = False
     """Rollouts cut by a token limit carry no loss (DAPO's overlong masking, arXiv:2503.14476).
     Cut: a turn of it ended at max_tokens, or at what seq_len left it; it still counts in its group's mean."""
+    kl_coef: float = 0.0
+    """Weight of a KL penalty toward the reference model, the run's starting weights (0 = off, no reference
+    is loaded; 0.001-0.05 in the peers). Under LoRA the reference is the model with the adapter off."""
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    """The penalty's per-token KL estimate, log r = logp - ref_logp: k1 = log r;
+    k3 = exp(-log r) - 1 + log r, >= 0 (Schulman 2020). Logged as ref_kl, with the same estimator."""
+    entropy_coef: float = 0.0
+    """Weight of an entropy bonus (0 = off): minus this times the entropy of each loss token's distribution."""
     import_path: str = ""
     """package.module:function, a loss to use instead of lib/loss.py's policy_loss.
     Called with the same arguments (per-token tensors, rollout index, step counts); returns (loss, metrics)."""
@@ -59,6 +67,8 @@ class LossConfig:
             raise UserError("loss.ratio_level sequence applies to loss.variant ppo (GSPO) or cispo only.")
         if self.mismatch_cap < 1:
             raise UserError("loss.mismatch_cap must be >= 1 (a lower cap would correct on-policy tokens).")
+        if self.kl_coef < 0 or self.entropy_coef < 0:
+            raise UserError("loss.kl_coef and loss.entropy_coef must be >= 0.")
         if self.import_path and self.import_path.count(":") != 1:
             raise UserError("loss.import_path must read package.module:function.")
 
@@ -150,6 +160,8 @@ def policy_loss(
     num_rollouts=None,
     num_episodes=None,
     num_budget_tokens=None,
+    ref_logp=None,
+    token_entropy=None,
 ):
     """Policy-gradient loss of one micro-batch, and its metrics; a custom loss (loss.import_path) takes the same.
 
@@ -161,7 +173,9 @@ def policy_loss(
     ranks: scale it by the world size). Variants, with ratio = p_train / p_inference: dppo (default; Qi et al.
     2026, arXiv:2602.04879), ppo (Schulman et al. 2017, arXiv:1707.06347, with DAPO's clip-higher), cispo
     (MiniMax-M1, arXiv:2506.13585), reinforce (Williams 1992). Each formula and option is written out where it
-    applies. Returns (loss, metrics): detached shares of step-wide token means, summed like the loss.
+    applies. ref_logp (B, T): the reference model's logprobs of the tokens (no grad; rl.py passes them when
+    loss.kl_coef > 0), token_entropy (B, T): each token's distribution's entropy, with grad (loss.entropy_coef).
+    Returns (loss, metrics): detached shares of step-wide token means, summed like the loss.
     """
     import torch
 
@@ -264,6 +278,30 @@ def policy_loss(
             f"unknown loss.mismatch_correction {config.mismatch_correction!r} (choose none, truncate or mask)."
         )
 
+    # KL to the reference model, per token, added to the loss before the aggregation as TRL, verl and SkyRL do
+    # (after the mismatch correction, which weighs the policy gradient, not the penalty). log r = logp -
+    # ref_logp; the tokens were sampled by the inference policy and the estimate is not reweighted to the
+    # trainer's (a deviation, shared with the peers, as small as the ratio is close to 1). Gradients: k3's is
+    # (1 - ref / p) * grad logp, whose mean under p is the gradient of KL(ref || p); k1's is grad logp, whose
+    # mean under p is 0: as a loss k1 pulls only through off-policy tokens (Tang & Munos 2025,
+    # arXiv:2506.09477). k1 is here because the peers offer it; k3 is the default.
+    if ref_logp is not None:
+        ref_log_ratio = torch.where(loss_mask, logp - ref_logp, 0.0)  # (B, T)
+        if config.kl_estimator == "k1":
+            ref_kl = ref_log_ratio  # (B, T)
+        elif config.kl_estimator == "k3":
+            ref_kl = torch.exp(-ref_log_ratio) - 1 + ref_log_ratio  # (B, T)
+        else:
+            raise UserError(f"unknown loss.kl_estimator {config.kl_estimator!r} (choose k1 or k3).")
+        per_token = per_token + config.kl_coef * ref_kl  # (B, T)
+    else:
+        assert not config.kl_coef, "loss.kl_coef > 0 needs the reference model's logprobs (ref_logp)"
+    # Entropy bonus: -entropy_coef x the entropy of each loss token's next-token distribution (verl's
+    # entropy_coeff, aggregated like the policy loss), its gradient through lib/head.py's backward.
+    if config.entropy_coef:
+        assert token_entropy is not None, "loss.entropy_coef > 0 needs each token's entropy (token_entropy)"
+        per_token = per_token - config.entropy_coef * token_entropy  # (B, T)
+
     if config.aggregation == "token_mean":
         # sum_t loss_t / (loss tokens of the whole step): every token weighs the same, however long its rollout
         # (DAPO's token-level normalisation), over the step, not per micro-batch.
@@ -294,6 +332,8 @@ def policy_loss(
             "advantage": token_share(adv.float(), loss_mask, num_loss_tokens),
             "logp": token_share(logp.detach(), loss_mask, num_loss_tokens),
         }
+        if ref_logp is not None:
+            metrics["ref_kl"] = token_share(ref_kl, loss_mask, num_loss_tokens)
         if config.mismatch_correction != "none":
             # Loss tokens whose weight was above the cap: truncated, or masked.
             name = f"mismatch_{'truncated' if config.mismatch_correction == 'truncate' else 'masked'}"

@@ -1,6 +1,7 @@
 """Packing: sequences into rows of seq_len (SFT rows and RL micro-batches alike), and attention within each sequence."""
 
 import dataclasses
+import inspect
 from typing import TYPE_CHECKING
 
 from lib.config import UserError
@@ -8,9 +9,7 @@ from lib.config import UserError
 if TYPE_CHECKING:
     import torch
 
-    from lib.buffer import Rollout
-
-IGNORE = -100  # SFT target of a token that carries no loss (prompt, padding, sequence boundary)
+    from lib.rollouts import Rollout
 
 
 # ---------------------------------------------------------------- rows
@@ -74,24 +73,22 @@ def build_rows(layout: list[list[int]], columns: dict[str, tuple[list[list], obj
 
 
 def sft_rows(samples: list[tuple[list[int], list[int]]], seq_len: int, packing: bool, pad_id: int):
-    """SFT rows of (token ids, 0/1 loss mask) samples: input ids, position ids and next-token targets, each
-    (rows, length). A target is IGNORE outside the assistant's tokens and on each sample's last token, so
-    nothing is learnt across a boundary."""
+    """SFT rows of (token ids, 0/1 loss mask) samples: input ids, position ids and the loss mask, each
+    (rows, length), aligned as RL's are: mask[t] marks a token t the model is trained to predict from the
+    tokens before it (lib/head.py next_token_scores). A sample's first token is never trained on: it would
+    be predicted from the previous sample of the row."""
     import torch
 
-    targets = [
-        [ids[t + 1] if mask[t + 1] else IGNORE for t in range(len(ids) - 1)] + [IGNORE]
-        for ids, mask in samples
-    ]
+    masks = [[False] + [bool(m) for m in mask[1:]] for _, mask in samples]
     layout = row_layout([len(ids) for ids, _ in samples], seq_len, packing)
     rows = build_rows(
         layout,
         {
             "input_ids": ([ids for ids, _ in samples], pad_id, torch.long),
-            "targets": (targets, IGNORE, torch.long),
+            "loss_mask": (masks, False, torch.bool),
         },
     )
-    return rows["input_ids"], rows["position_ids"], rows["targets"]
+    return rows["input_ids"], rows["position_ids"], rows["loss_mask"]
 
 
 @dataclasses.dataclass
@@ -112,9 +109,20 @@ class MicroBatch:
     """Server logprob of each token (float32); 0 off the loss mask."""
     advantages: "torch.Tensor"
     """The rollout's advantage on each of its tokens (float32); 0 on padding."""
+    rollout_index: "torch.Tensor"
+    """Which rollout of the step's list each token belongs to (long); -1 on padding. A rollout lies whole in one
+    row of one micro-batch, so sequence-level quantities (lib/loss.py) are complete in the micro-batch."""
+    kept_counts: "torch.Tensor | None" = None
+    """Served kept sets: how many kept ids each token has (int32), > 0 on the loss mask; None when the rollouts
+    carry none (lib/head.py KeptSets)."""
+    kept_ids: "torch.Tensor | None" = None
+    """Served kept sets: every token's kept ids (int32, (K,)), one token after the other, rows in order."""
 
     def to(self, device) -> "MicroBatch":
-        return MicroBatch(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return MicroBatch(
+            **{name: None if value is None else value.to(device) for name, value in fields.items()}
+        )
 
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
@@ -152,11 +160,20 @@ def rl_micro_batches(
             torch.float32,
         ),
         "advantages": ([[r.advantage] * len(r.token_ids) for r in rollouts], 0.0, torch.float32),
+        "rollout_index": ([[i] * len(r.token_ids) for i, r in enumerate(rollouts)], -1, torch.long),
     }
-    micro_batches = [
-        MicroBatch(**build_rows(layout[first : first + rows_per_micro_batch], columns))
-        for first in range(0, len(layout), rows_per_micro_batch)
-    ]
+    served = [r.kept_counts is not None for r in rollouts]
+    assert all(served) or not any(served), "some rollouts carry served kept sets and others none"
+    if rollouts and all(served):
+        columns["kept_counts"] = ([r.kept_counts.tolist() for r in rollouts], 0, torch.int32)
+    micro_batches = []
+    for first in range(0, len(layout), rows_per_micro_batch):
+        rows = layout[first : first + rows_per_micro_batch]
+        micro_batch = MicroBatch(**build_rows(rows, columns))
+        if "kept_counts" in columns:  # the ids in the order of the tokens they belong to
+            ids = [torch.from_numpy(rollouts[i].kept_ids) for row in rows for i in row]
+            micro_batch.kept_ids = torch.cat(ids)
+        micro_batches.append(micro_batch)
     while len(micro_batches) % num_micro_batches_multiple:
         empty = torch.zeros((1, 1), dtype=torch.long)  # (1, 1)
         micro_batches.append(
@@ -166,6 +183,7 @@ def rl_micro_batches(
                 empty.bool(),
                 empty.float(),
                 empty.float(),
+                torch.full_like(empty, -1),
             )
         )
     return micro_batches
@@ -174,18 +192,13 @@ def rl_micro_batches(
 # ---------------------------------------------------------------- attention over packed rows
 
 
-# The boundaries of the forward in progress: every layer gets the same position_ids tensor, so they are
-# found once per forward (one host sync), not once per layer. Holding the tensor keeps `is` reliable.
-_bounds_cache: list = [None, None]
-
-
 def sequence_bounds(position_ids, rows: int, length: int) -> dict:
     """Where the samples of each packed row start, from the restarts of position_ids (B or 1, L): per-row
-    start lists, the samples' int32 offsets in the flattened (B * L) batch and the longest sample."""
+    start lists, the samples' int32 offsets in the flattened (B * L) batch and the longest sample. Finding
+    them costs a host sync: a forward computes them once and passes them to every layer (packed_attention's
+    `sequence_bounds`)."""
     import torch
 
-    if _bounds_cache[0] is position_ids:
-        return _bounds_cache[1]
     restarts = torch.diff(position_ids.expand(rows, -1), dim=-1) != 1  # (B, L-1)
     starts = [[0] for _ in range(rows)]
     for row, t in restarts.nonzero().tolist():
@@ -196,7 +209,6 @@ def sequence_bounds(position_ids, rows: int, length: int) -> dict:
         "cu_seqlens": torch.tensor(flat, dtype=torch.int32, device=position_ids.device),  # (samples + 1,)
         "max_seqlen": max(e - s for s, e in zip(flat, flat[1:])),
     }
-    _bounds_cache[:] = [position_ids, bounds]
     return bounds
 
 
@@ -217,14 +229,24 @@ def varlen_kernel():
 
 
 def packed_attention(
-    module, query, key, value, attention_mask, dropout=0.0, scaling=None, position_ids=None, **kwargs
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout=0.0,
+    scaling=None,
+    position_ids=None,
+    packed_bounds=None,
+    **kwargs,
 ):
     """Causal attention inside each sample of a packed row, as a transformers attention function.
 
     SDPA with transformers' block-diagonal mask computes every row_length^2 score and masks most of
     them. On CUDA a variable-length kernel (flash-attn's, or torch's) attends within each sample of the
     flattened batch in one call; elsewhere one causal SDPA call per sample costs the sum of the
-    samples' length^2. Samples start where position ids restart (the convention of build_rows).
+    samples' length^2. Samples start where position ids restart (the convention of build_rows);
+    `packed_bounds`, a keyword of the model's forward that reaches every layer, saves finding them again.
     """
     import torch
     import torch.nn.functional as F
@@ -233,7 +255,8 @@ def packed_attention(
     rows, heads, length, dim = query.shape  # query (B, H, L, D); key, value (B, KV heads, L, D)
     if position_ids is None:
         position_ids = torch.arange(length, device=query.device)[None]  # (1, L): one sample per row
-    bounds = sequence_bounds(position_ids, rows, length)
+    # The forward's caller passes the boundaries once for every layer (lib/head.py); else each layer finds them.
+    bounds = packed_bounds or sequence_bounds(position_ids, rows, length)
     device = query.device.type
     if torch.is_autocast_enabled(device):
         # Autocast casts matmul inputs, not attention's: Qwen3's q/k norms and RoPE leave q and k in float32
@@ -251,9 +274,12 @@ def packed_attention(
         if name == "flash_attn":
             out = attend(q, k, v, cu, cu, longest, longest, softmax_scale=scaling, causal=True)
         else:  # window (-1, 0): causal
-            out = attend(
-                q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(-1, 0), enable_gqa=True
-            )
+            gqa = {"enable_gqa": True}
+            if "enable_gqa" not in inspect.signature(attend).parameters:
+                # torch < 2.13 (2.11 on some GPU machines) has no GQA here: repeat the key/value heads.
+                k, v = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (k, v))
+                gqa = {}
+            out = attend(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(-1, 0), **gqa)
         return out.reshape(rows, length, heads, dim), None  # (B, L, H, D)
     out = []
     for row, row_starts in enumerate(bounds["starts"]):

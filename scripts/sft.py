@@ -1,11 +1,11 @@
 """Supervised warm-up: next-token loss on assistant tokens only, with packing, LoRA and FSDP2.
 
-Data comes from a plainrl taskset (its ideal answers), a local JSONL file (`messages`, or `prompt` +
-`completion`), or a Hugging Face dataset id. Conversations go through the tokenizer's chat template;
-only the assistant turns (through their end-of-turn token) carry loss. Each step takes the next
-batch_size samples of a seeded, per-epoch shuffled stream; the loss is the mean over every assistant
-token of the step (all micro-batches and ranks together), so packing, micro-batching and the number
-of ranks change the arithmetic order, not the result.
+Data comes from a plainrl taskset (its ideal answers), a local JSONL file (lines with `messages`, or
+with `prompt` and `completion`), or a Hugging Face dataset id. Conversations go through the
+tokenizer's chat template; only the assistant turns (through their end-of-turn token) carry loss. Each
+step takes the next batch_size samples of a seeded, per-epoch shuffled stream; the loss is the mean
+over every assistant token of the step (all micro-batches and ranks together), so packing,
+micro-batching and the number of ranks change the arithmetic order, not the result.
 
 Packing puts several samples in one row of seq_len tokens; positions restart at 0 for each sample and
 transformers masks attention across samples from those restarts. Master weights and AdamW state stay
@@ -14,9 +14,8 @@ adapters are merged into weights/step_N, so the saved model is a plain Hugging F
 
 Writes under output_dir: config.toml, provenance.json (git revision, package versions), tb/ (loss, lr,
 grad norm, tokens/s; wandb too with --wandb.project), loss_curve.png (at each checkpoint and at the
-end), weights/step_N (servable by
-serve.py and vLLM) and checkpoints/step_N (trainable weights, optimizer, scheduler, data position, RNG;
-`--resume` continues bit for bit). Both are written to a temporary name and renamed into place.
+end), weights/step_N (servable by serve.py and vLLM) and checkpoints/step_N (trainable weights,
+optimizer, scheduler, data position, RNG; with them `--resume` continues bit for bit). Both are written to a temporary name and renamed into place.
 
 Usage:
     python scripts/sft.py @ configs/tiny/sft.toml                                  # CPU (after `make tiny`)
@@ -74,7 +73,7 @@ class Config:
     """Seed of initialisation-time randomness (LoRA) and of the data order."""
     peer_timeout: float = 120.0
     """Several processes: a rank ends when a peer sends no heartbeat for this many seconds (a node
-    killed, frozen or cut off); waiting on a busy rank 0 (rollouts, starting servers) never counts."""
+    killed, frozen or cut off); a slow step on a live peer never counts."""
 
     def __post_init__(self):
         if self.steps < 1 or self.batch_size < 1 or self.micro_batch_size < 1 or self.seq_len < 2:
@@ -99,18 +98,17 @@ def main(cfg: Config) -> dict:
     from lib.checkpoint import load_checkpoint, open_run, save_checkpoint, save_weights
     from lib.config import to_dict
     from lib.data import batch_indices, load_conversations, tokenize_all
-    from lib.head import token_scores
-    from lib.log import RunLog
+    from lib.head import next_token_scores
+    from lib.log import RunLog, say
     from lib.model import check_model_name, load_tokenizer, load_trainable, resolve_device
     from lib.optim import build_optimizer, optimizer_step
-    from lib.packing import IGNORE, sft_rows
+    from lib.packing import sft_rows
     from lib.plot import plot_curve
     from lib.provenance import write_provenance
 
     # ------------------------------------------------------------ config and run directory
     rank, _, world_size = dist.world()
     is_main = rank == 0
-    say = print if is_main else (lambda *args: None)
     if cfg.batch_size % (cfg.micro_batch_size * world_size):
         raise UserError(
             f"batch_size {cfg.batch_size} is not divisible by micro_batch_size {cfg.micro_batch_size} "
@@ -140,7 +138,12 @@ def main(cfg: Config) -> dict:
     torch.manual_seed(cfg.seed)  # LoRA's initialisation is random
     # float32 master weights (bf16 comes from autocast); saved in the dtype the model runs in (bf16 on CUDA).
     model, save_dtype, autocast = load_trainable(
-        cfg.model, cfg.lora, device, world_size, cfg.packing, cfg.activation_checkpointing
+        cfg.model,
+        cfg.lora,
+        device=device,
+        world_size=world_size,
+        packing=cfg.packing,
+        activation_checkpointing=cfg.activation_checkpointing,
     )
     optimizer, scheduler = build_optimizer(model.parameters(), cfg.optim, cfg.steps)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -160,7 +163,15 @@ def main(cfg: Config) -> dict:
         say(f"no checkpoint in {run_dir / 'checkpoints'}: starting at step 0")
 
     # ------------------------------------------------------------ loop
-    log = RunLog(run_dir, cfg.steps, start, is_main, cfg.log_every, cfg.wandb, to_dict(cfg))
+    log = RunLog(
+        run_dir,
+        total_steps=cfg.steps,
+        start_step=start,
+        enabled=is_main,
+        print_every=cfg.log_every,
+        wandb=cfg.wandb,
+        config=to_dict(cfg),
+    )
     history, weights = [], None
     stop = StopAfterStep()
     try:
@@ -179,10 +190,10 @@ def main(cfg: Config) -> dict:
                     cfg.packing,
                     tokenizer.pad_token_id,
                 )
-                input_ids, position_ids, targets = (t.to(device) for t in rows)  # (R, L) each
-                trained = targets != IGNORE
-                with autocast():  # no logits over the vocabulary (lib/head.py)
-                    logp, _ = token_scores(model, input_ids, position_ids, targets.clamp(min=0), trained)
+                input_ids, position_ids, loss_mask = (t.to(device) for t in rows)  # (R, L) each
+                # The output layer scores the loss tokens in chunks (lib/head.py): no (R, L, vocabulary) logits.
+                with autocast():
+                    logp, _ = next_token_scores(model, input_ids, position_ids, loss_mask)  # (R, L)
                 token_loss = -logp.sum()  # the cross-entropy of the assistant tokens
                 # FSDP averages gradients over ranks; this loss is already a mean over all ranks' tokens.
                 (token_loss * world_size / loss_tokens).backward()
@@ -209,12 +220,24 @@ def main(cfg: Config) -> dict:
                 log.flush()  # the curves on disk reach at least as far as the checkpoint
                 weights = save_weights(run_dir, done, model, tokenizer, save_dtype, cfg.keep_checkpoints)
                 progress = {"samples_seen": done * cfg.batch_size, "world_size": world_size}
-                save_checkpoint(run_dir, done, model, optimizer, scheduler, progress, cfg.keep_checkpoints)
-                log.print(f"saved {weights} and checkpoints/step_{done}")
+                save_checkpoint(
+                    run_dir,
+                    done,
+                    model,
+                    optimizer=optimizer,
+                    scheduler=scheduler,
+                    progress=progress,
+                    keep=cfg.keep_checkpoints,
+                )
+                say(f"saved {weights} and checkpoints/step_{done}")
                 if is_main:
                     steps, losses = range(start + 1, done + 1), [m["train/loss"] for m in history]
                     plot_curve(
-                        run_dir / "loss_curve.png", list(steps), losses, "loss (train)", f"sft: {cfg.data.id}"
+                        run_dir / "loss_curve.png",
+                        steps=list(steps),
+                        values=losses,
+                        label="loss (train)",
+                        title=f"sft: {cfg.data.id}",
                     )
             if stopping and done < cfg.steps:
                 raise KeyboardInterrupt  # run_main ends the run with the resume hint

@@ -32,14 +32,19 @@ def test_a_torch_that_lacks_an_api_plainrl_calls_stops_the_check_in_one_sentence
         scale=None,
         window_size=(-1, -1),
     ):
-        """torch 2.11.0's signature (the GPU machines' torch): no enable_gqa."""
+        """torch 2.11.0's signature (the GPU machines' torch): no enable_gqa, which lib/packing.py does without."""
+
+    def varlen_attn_without_a_window(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None):
+        """An older signature: no causal window."""
 
     monkeypatch.setattr(varlen, "varlen_attn", varlen_attn_of_torch_2_11)
+    assert gpu_check.missing_torch_apis() == []
+    monkeypatch.setattr(varlen, "varlen_attn", varlen_attn_without_a_window)
     assert gpu_check.missing_torch_apis() == [
-        "torch.nn.attention.varlen.varlen_attn(enable_gqa=) (lib/packing.py)"
+        "torch.nn.attention.varlen.varlen_attn(window_size=) (lib/packing.py)"
     ]
     sentence = gpu_check.torch_problem()
-    assert "varlen_attn(enable_gqa=)" in sentence and sentence.count(". ") == 0 and sentence.endswith(".")
+    assert "varlen_attn(window_size=)" in sentence and sentence.count(". ") == 0 and sentence.endswith(".")
 
 
 def test_a_carried_wheel_whose_requirement_the_machine_does_not_meet_is_named(tmp_path, monkeypatch):

@@ -139,3 +139,97 @@ def test_a_frozen_output_layer_gets_no_vocabulary_sized_gradient_buffer():
     """With LoRA the output layer is frozen: a float32 (V, H) buffer would be 0.58 GiB at Qwen3-0.6B."""
     assert vocabulary_sized_allocations(trainable=True)  # the method sees the buffer when there is one
     assert vocabulary_sized_allocations(trainable=False) == []
+
+
+def test_the_entropy_gradient_is_minus_p_times_log_p_plus_h_by_hand():
+    """One row, the identity as output layer (logits = hidden): d H / d hidden = -p (log p + H) / temperature."""
+    import math
+
+    z = [1.0, 0.0, -1.0]
+    hidden = torch.tensor([z], requires_grad=True)
+    logp, ent = head.ChunkedTokenLogprobs.apply(hidden, torch.eye(3), torch.tensor([0]), 0.5, 4)
+    total = sum(math.exp(x / 0.5) for x in z)
+    p = [math.exp(x / 0.5) / total for x in z]  # 0.867, 0.117, 0.016
+    h = -sum(q * math.log(q) for q in p)
+    assert ent.item() == pytest.approx(h, rel=1e-6) and logp.item() == pytest.approx(math.log(p[0]), rel=1e-6)
+    (3 * ent + 2 * logp).sum().backward()  # both terms at once, as an entropy bonus beside the policy loss
+    expected = [(3 * -q * (math.log(q) + h) + 2 * ((j == 0) - q)) / 0.5 for j, q in enumerate(p)]
+    torch.testing.assert_close(hidden.grad[0], torch.tensor(expected), rtol=1e-5, atol=1e-6)
+
+
+def small_tied_model(tiny_dir):
+    """The tiny model's shape (a small vocabulary) with its output layer tied to the embedding."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_dir, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["untied", "tied", "lora"])
+def test_the_entropy_gradient_through_the_chunks_is_the_full_logits_one(kind, tiny_dir, monkeypatch):
+    """An entropy bonus trains through the chunked backward: the same gradients as the entropy of full logits."""
+    if kind == "tied":
+        model = small_tied_model(tiny_dir)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    assert model.config.tie_word_embeddings == (kind == "tied")
+    if kind == "lora":
+        model = peft.get_peft_model(
+            model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"])
+        )
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.data.normal_(std=0.1)
+    head.use_chunked_head(model)
+    monkeypatch.setattr(head, "CHUNK_TOKENS", 5)
+    input_ids, position_ids, mask = batch(model.config.vocab_size)
+    weights = torch.linspace(-1, 2, input_ids.numel()).reshape(input_ids.shape)
+
+    def gradients(chunked: bool):
+        model.zero_grad()
+        if chunked:
+            logp, ent = head.next_token_scores(model, input_ids, position_ids, mask, TEMPERATURE)
+        else:
+            logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+            logprobs = (logits[:, :-1].float() / TEMPERATURE).log_softmax(-1)  # (B, T-1, V)
+            ent = F.pad(-(logprobs.exp() * logprobs).sum(-1), (1, 0)) * F.pad(mask[:, 1:], (1, 0))  # (B, T)
+            logp = token_logp(logits, input_ids, TEMPERATURE, mask)
+        (ent * weights - 0.1 * logp).sum().backward()  # the bonus's gradient dominates
+        return ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    ent, grads = gradients(chunked=True)
+    ref_ent, ref_grads = gradients(chunked=False)
+    torch.testing.assert_close(ent, ref_ent, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == ref_grads.keys() and grads
+    assert all("lora_" in name for name in grads) if kind == "lora" else any("embed" in n for n in grads)
+    for name, grad in grads.items():
+        assert grad.abs().sum() > 0, name
+        scale = ref_grads[name].abs().max().item()
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-5 * scale, msg=name)
+
+
+def test_the_entropy_gradient_over_served_kept_sets_is_the_masked_logits_one():
+    """With top-k/top-p the entropy is over each token's kept set: its gradient is 0 outside the set."""
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(3, 4, requires_grad=True), torch.randn(6, 4, requires_grad=True)
+    targets = torch.tensor([0, 2, 5])
+    kept_rows = [[0, 1], [2, 3, 4], [5, 0, 1, 2]]
+    counts = torch.tensor([len(ids) for ids in kept_rows], dtype=torch.int32)
+    kept = head.KeptSets(ids=torch.tensor(sum(kept_rows, []), dtype=torch.int32), counts=counts)
+    logp, ent = head.ChunkedTokenLogprobs.apply(hidden, weight, targets, TEMPERATURE, 2, kept)
+    (ent * torch.tensor([1.0, -2.0, 3.0]) + logp).sum().backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    allowed = torch.zeros(3, 6, dtype=torch.bool)
+    for row, ids in enumerate(kept_rows):
+        allowed[row, ids] = True
+    logprobs = (hidden @ weight.t() / TEMPERATURE).masked_fill(~allowed, float("-inf")).log_softmax(-1)
+    ref_ent = -(logprobs.exp() * logprobs.masked_fill(~allowed, 0.0)).sum(-1)
+    ref_logp = logprobs.gather(-1, targets[:, None])[:, 0]
+    torch.testing.assert_close(ent, ref_ent.detach())
+    torch.testing.assert_close(logp, ref_logp.detach())
+    (ref_ent * torch.tensor([1.0, -2.0, 3.0]) + ref_logp).sum().backward()
+    assert grads[0].abs().sum() > 0 and grads[1].abs().sum() > 0
+    torch.testing.assert_close(grads[0], hidden.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads[1], weight.grad, rtol=1e-5, atol=1e-6)

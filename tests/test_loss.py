@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+from lib.config import UserError
 from lib.loss import LossConfig, entropy, policy_loss, token_logp
 
 
@@ -428,3 +429,65 @@ def test_new_options_reject_bad_values_and_a_custom_loss_is_found_by_its_path(mo
         loss_function(LossConfig(import_path="my_losses:missing"))
     with pytest.raises(ValueError, match="cannot import no_such_module"):
         loss_function(LossConfig(import_path="no_such_module:half"))
+
+
+def test_reference_kl_k1_and_k3_hand_computed():
+    # Trainer p = 0.5, 0.8, 0.2 on the loss tokens, the reference 0.5, 0.4, 0.4: log r = 0, ln 2, -ln 2.
+    #   k1 = log r                   -> 0, 0.6931472, -0.6931472: mean 0
+    #   k3 = exp(-log r) - 1 + log r -> 0, 0.1931472, 0.3068528:  mean 0.5 / 3 = 0.1666667
+    # The fourth token is off the loss mask: no KL there, whatever the reference says.
+    # adv 0: reinforce's own term is 0, so the loss is kl_coef x the mean KL over the 3 loss tokens.
+    logp_values = probs(0.5, 0.8, 0.2, 0.9)
+    ref_logp = probs(0.5, 0.4, 0.4, 0.1)
+    mask = torch.tensor([[True, True, True, False]])
+    for estimator, mean_kl, dkl in [("k1", 0.0, [1, 1, 1, 0]), ("k3", 0.5 / 3, [0, 0.5, -1, 0])]:
+        logp = logp_values.clone().requires_grad_()
+        config = LossConfig(variant="reinforce", kl_coef=0.1, kl_estimator=estimator)
+        loss, metrics = policy_loss(
+            logp, logp_values, torch.zeros(1, 4, dtype=torch.float64), mask, 3, config, ref_logp=ref_logp
+        )
+        assert loss.item() == pytest.approx(0.1 * mean_kl, abs=1e-9), estimator
+        assert metrics["ref_kl"].item() == pytest.approx(mean_kl, abs=1e-9), estimator
+        loss.backward()
+        # d k1 / d logp = 1; d k3 / d logp = 1 - exp(-log r) = 1 - ref / p: 0, 1 - 0.5, 1 - 2.
+        assert logp.grad[0].tolist() == pytest.approx([0.1 * g / 3 for g in dkl], abs=1e-9), estimator
+
+
+def test_the_kl_and_the_entropy_bonus_add_to_the_policy_loss_per_token_before_the_aggregation():
+    # dppo on two rollouts of 1 and 2 tokens (the hand-computed -0.1197371 case's t0-t2), sequence_mean:
+    # per-token dppo: -1.0, 0 + 1e-3 ln(1.6)^2, -1.2 + 1e-3 ln(1.2)^2. Reference = inference (p 0.5):
+    # k3 = 0, 0.5/0.8 - 1 + ln 1.6, 0.5/0.6 - 1 + ln 1.2; entropies 1, 2, 3 (bonus -0.01 each).
+    logp = probs(0.5, 0.8, 0.6).requires_grad_()
+    token_entropy = torch.tensor([[1.0, 2.0, 3.0]], dtype=torch.float64, requires_grad=True)
+    inference_logp = probs(0.5, 0.5, 0.5)
+    config = LossConfig(aggregation="sequence_mean", kl_coef=0.05, entropy_coef=0.01)
+    loss, metrics = policy_loss(
+        logp, inference_logp, torch.ones(1, 3, dtype=torch.float64), torch.ones(1, 3, dtype=torch.bool), 3,
+        config, rollout_index=torch.tensor([[0, 1, 1]]), num_rollouts=2, ref_logp=inference_logp,
+        token_entropy=token_entropy,
+    )  # fmt: skip
+    k3 = [0.0, 0.625 - 1 + math.log(1.6), 0.5 / 0.6 - 1 + math.log(1.2)]
+    dppo = [-1.0, 1e-3 * math.log(1.6) ** 2, -1.2 + 1e-3 * math.log(1.2) ** 2]
+    per_token = [d + 0.05 * k - 0.01 * e for d, k, e in zip(dppo, k3, [1, 2, 3])]
+    assert loss.item() == pytest.approx((per_token[0] + (per_token[1] + per_token[2]) / 2) / 2, abs=1e-9)
+    assert metrics["ref_kl"].item() == pytest.approx(sum(k3) / 3, abs=1e-9)  # a token mean, as every metric
+    loss.backward()
+    # Each token's weight: 1/2 (rollout 0 alone) or 1/4 (half of rollout 1); the bonus's gradient is -0.01.
+    assert token_entropy.grad[0].tolist() == pytest.approx([-0.01 / 2, -0.01 / 4, -0.01 / 4], abs=1e-12)
+    dk3 = [1 - 0.5 / p for p in (0.5, 0.8, 0.6)]
+    ddppo = [-1.0, 2e-3 * math.log(1.6), -1.2 + 2e-3 * math.log(1.2)]
+    expected = [(d + 0.05 * k) * w for d, k, w in zip(ddppo, dk3, [1 / 2, 1 / 4, 1 / 4])]
+    assert logp.grad[0].tolist() == pytest.approx(expected, abs=1e-9)
+
+
+def test_kl_and_entropy_are_off_by_default_and_refuse_negative_weights():
+    logp, mask = probs(0.5, 0.8), torch.ones(1, 2, dtype=torch.bool)
+    plain, _ = policy_loss(logp, probs(0.5, 0.5), torch.ones(1, 2), mask, 2, LossConfig())
+    with_inputs, metrics = policy_loss(
+        logp, probs(0.5, 0.5), torch.ones(1, 2), mask, 2, LossConfig(),
+        ref_logp=probs(0.1, 0.1), token_entropy=torch.ones(1, 2),
+    )  # fmt: skip
+    assert with_inputs.item() == plain.item() and metrics["ref_kl"].item() > 0  # logged, not trained on
+    for field in ("kl_coef", "entropy_coef"):
+        with pytest.raises(UserError, match="must be >= 0"):
+            LossConfig(**{field: -0.1})

@@ -8,9 +8,10 @@ import torch.nn.functional as F
 from test_data import reverse_conversation
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lib.buffer import Rollout
 from lib.data import tokenize_all
-from lib.packing import IGNORE, first_fit, rl_micro_batches, sft_rows, use_packed_attention
+from lib.loss import token_logp
+from lib.packing import first_fit, rl_micro_batches, sequence_bounds, sft_rows, use_packed_attention
+from lib.rollouts import Rollout
 
 TEXTS = ["hello world", "a", "plain pytorch scripts", "ok then", "reverse me please!", "xyz", "the end"]
 
@@ -28,10 +29,12 @@ def rollout(length: int, first_token: int) -> Rollout:
 def test_sft_rows_restart_positions_and_never_predict_across_samples():
     samples = [([1, 2, 3], [0, 1, 1]), ([4, 5], [0, 1]), ([6, 7, 8, 9], [0, 0, 1, 1])]
     assert sorted(map(sorted, first_fit([3, 2, 4], seq_len=6))) == [[0], [1, 2]]  # first fit, longest first
-    input_ids, position_ids, targets = sft_rows(samples, seq_len=6, packing=True, pad_id=0)
+    input_ids, position_ids, loss_mask = sft_rows(samples, seq_len=6, packing=True, pad_id=0)
     assert input_ids.tolist() == [[6, 7, 8, 9, 4, 5], [1, 2, 3, 0, 0, 0]]
     assert position_ids.tolist() == [[0, 1, 2, 3, 0, 1], [0, 1, 2, 3, 4, 5]]
-    assert targets.tolist() == [[IGNORE, 8, 9, IGNORE, 5, IGNORE], [2, 3, IGNORE, IGNORE, IGNORE, IGNORE]]
+    # mask[t]: token t is predicted from the tokens before it (next_token_scores' alignment); never a
+    # sample's first token, which would be predicted from the previous sample.
+    assert loss_mask.int().tolist() == [[0, 0, 1, 1, 0, 1], [0, 1, 1, 0, 0, 0]]
     unpacked = sft_rows(samples, seq_len=6, packing=False, pad_id=0)
     assert unpacked[0].shape == (3, 4) and unpacked[1][1].tolist() == [0, 1, 2, 3]  # padding continues
 
@@ -47,9 +50,9 @@ def test_packed_loss_equals_unpacked_loss(tiny_dir, attention):
 
     def loss_and_grad(model, packing):
         model.zero_grad()
-        input_ids, position_ids, targets = sft_rows(samples, 160, packing, tokenizer.pad_token_id)
+        input_ids, position_ids, loss_mask = sft_rows(samples, 160, packing, tokenizer.pad_token_id)
         logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+        loss = -token_logp(logits, input_ids, mask=loss_mask).sum()
         loss.backward()
         return loss.item(), input_ids.shape, model.model.embed_tokens.weight.grad.clone()
 
@@ -60,7 +63,7 @@ def test_packed_loss_equals_unpacked_loss(tiny_dir, attention):
     torch.testing.assert_close(packed_grad, grad, rtol=1e-4, atol=1e-6)
 
 
-def test_packed_attention_finds_sample_boundaries_once_per_forward(tiny_dir, monkeypatch):
+def test_packed_attention_takes_sample_boundaries_found_once_per_forward(tiny_dir, monkeypatch):
     model = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
     use_packed_attention(model)
     assert model.config.num_hidden_layers >= 2
@@ -74,8 +77,13 @@ def test_packed_attention_finds_sample_boundaries_once_per_forward(tiny_dir, mon
     samples = [([5, 6, 7, 8], [0, 1, 1, 1]), ([9, 10, 11], [0, 1, 1]), ([12, 13], [0, 1])]
     input_ids, position_ids, _ = sft_rows(samples, seq_len=9, packing=True, pad_id=0)
     with torch.no_grad():
-        packed = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+        bounds = sequence_bounds(position_ids, *input_ids.shape)  # as lib/head.py's token_scores does
+        kwargs = {"position_ids": position_ids, "use_cache": False, "packed_bounds": bounds}
+        packed = model(input_ids=input_ids, **kwargs).logits
         assert len(calls) == 1, f"boundaries computed {len(calls)} times in one forward"
+        # Without them, each layer finds them itself: the same answer, one host sync per layer.
+        again = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+        assert len(calls) == 1 + model.config.num_hidden_layers and torch.equal(packed, again)
         offset = 0
         for ids, _ in sorted(samples, key=lambda s: -len(s[0])):  # the row's order: longest first
             alone = model(input_ids=torch.tensor([ids]), use_cache=False).logits
@@ -128,6 +136,7 @@ def test_rl_micro_batches_place_every_token_once_with_restarting_positions(packi
                     # an empty micro-batch is one padding token at position 0.
                     expected_position = int(mb.position_ids[row, t - 1]) + 1 if t > 0 else 0
                     assert int(mb.position_ids[row, t]) == expected_position
+                    assert int(mb.rollout_index[row, t]) == -1
                     continue
                 i, j = divmod(token, 1000)
                 i -= 1
@@ -138,6 +147,7 @@ def test_rl_micro_batches_place_every_token_once_with_restarting_positions(packi
                 expected_logp = -0.01 * j if samples[i].loss_mask[j] else 0.0
                 assert mb.inference_logp[row, t].item() == pytest.approx(expected_logp)
                 assert mb.advantages[row, t].item() == i
+                assert int(mb.rollout_index[row, t]) == i  # which rollout of the list: the loss's sequences
     assert len(seen) == sum(len(s.token_ids) for s in samples)
     assert sum(mb.num_loss_tokens() for mb in micro_batches) == sum(sum(s.loss_mask) for s in samples)
 
@@ -221,3 +231,31 @@ def test_under_bf16_autocast_packed_rows_take_the_varlen_kernel_which_equals_the
         seen.clear()
         model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
     assert not seen
+
+
+def test_the_varlen_kernel_without_gqa_gets_repeated_key_value_heads(monkeypatch):
+    # torch 2.11's varlen_attn has no enable_gqa: packed_attention repeats the key/value heads for it and
+    # must give what the per-sample SDPA loop gives (run here on CPU in bf16, as under autocast on CUDA).
+    import lib.packing
+
+    def varlen_without_gqa(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+        assert q.shape[1] == k.shape[1] == v.shape[1] and window_size == (-1, 0), "heads must match"
+        edges = cu_q.tolist()
+        pieces = [
+            F.scaled_dot_product_attention(
+                *(x[s:e].transpose(0, 1)[None] for x in (q, k, v)), is_causal=True, scale=scale
+            )[0].transpose(0, 1)
+            for s, e in zip(edges, edges[1:])
+        ]
+        return torch.cat(pieces)  # (B * L, H, D)
+
+    torch.manual_seed(0)
+    rows, heads, kv_heads, length, dim = 2, 4, 2, 9, 8
+    query = torch.randn(rows, heads, length, dim, dtype=torch.bfloat16)
+    key, value = (torch.randn(rows, kv_heads, length, dim, dtype=torch.bfloat16) for _ in range(2))
+    position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1], [0, 1, 2, 3, 4, 0, 1, 2, 3]])
+    looped, _ = lib.packing.packed_attention(None, query, key, value, None, position_ids=position_ids)
+    monkeypatch.setattr(lib.packing, "VARLEN_DEVICES", ("cpu",))
+    monkeypatch.setattr(lib.packing, "varlen_kernel", lambda: ("torch", varlen_without_gqa))
+    kernel, _ = lib.packing.packed_attention(None, query, key, value, None, position_ids=position_ids)
+    torch.testing.assert_close(kernel, looped, rtol=2e-2, atol=2e-2)
