@@ -54,7 +54,11 @@ def latest(parent: Path, say=print) -> Path | None:
 
 def open_run(cfg, is_main: bool, say) -> Path | None:
     """Claims cfg.output_dir for a run: refuses one that holds checkpoints unless cfg.resume, prints it
-    and (rank 0) writes config.toml. Returns the checkpoint to resume from, or None."""
+    and (rank 0) writes config.toml. Returns the checkpoint to resume from, or None.
+
+    A directory with an earlier run's outputs but no checkpoint (a run that died before its first one)
+    starts over at step 0: those outputs move to restarted/<time>/ (set_aside), so the new run's weights,
+    rollouts, curves and wandb run never mix with the dead run's steps."""
     from lib.config import write_config
 
     run_dir = cfg.output_dir
@@ -64,9 +68,30 @@ def open_run(cfg, is_main: bool, say) -> Path | None:
             f"{run_dir} already holds checkpoints: pass --resume to continue, or another --output-dir."
         )
     say(f"run dir: {run_dir}")
+    if is_main and resume_from is None:
+        if moved := set_aside(run_dir):
+            say(f"no checkpoint in {run_dir}: starting at step 0; the earlier run's outputs are in {moved}")
     if is_main:
         write_config(cfg, run_dir / "config.toml")
     return resume_from
+
+
+def set_aside(run_dir: Path) -> Path | None:
+    """Moves everything in run_dir but config.toml, earlier restarted/ and slurm/ (a SLURM job's script and
+    logs, lib/slurm.py, written before the run starts) to run_dir/restarted/<UTC time>; returns that
+    directory, or None when there was nothing to move."""
+    import datetime
+
+    keep = {"config.toml", "restarted", "slurm"}
+    entries = [p for p in run_dir.iterdir() if p.name not in keep] if run_dir.is_dir() else []
+    if not entries:
+        return None
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S.%fZ")
+    target = run_dir / "restarted" / stamp
+    target.mkdir(parents=True)
+    for entry in entries:
+        entry.rename(target / entry.name)
+    return target
 
 
 def sync(path: Path) -> None:

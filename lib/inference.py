@@ -3,6 +3,7 @@ free loopback port (or attach to running ones), wait for /health, watch it, stop
 
 import contextlib
 import dataclasses
+import functools
 import os
 import signal
 import socket
@@ -49,18 +50,17 @@ class InferenceConfig:
     # (the per-token inference logprobs and the older version tag keep the loss correct).
     pause_mode: Literal["wait", "keep"] = "wait"
     """How a weight sync pauses the servers: wait = each sync waits for the longest in-flight completion,
-    which ends on the old weights; keep = in-flight completions are held and go on under the new weights
-    (their later tokens carry the new label and logprobs; the loss uses per-token inference logprobs)."""
+    which ends on the old weights; keep = in-flight completions are held and go on under the new weights,
+    their later tokens carrying the new label and logprobs (the loss uses per-token inference logprobs)."""
     probe_tolerance: float | None = None
     """Largest mean |logprob difference| allowed between a server and the trainer on the probe that
-    follows every weight load; past it the run stops. None = 1e-3 when the trainer computes in float32
-    (fp32 engines agree to ~1e-6), 0.25 in bfloat16 (provisional: bf16 engines differed by up to 0.125 at the
-    Qwen3-0.6B shape on CPU, lib/sync.py BF16_PROBE_TOLERANCE)."""
-
+    follows every weight load; past it the run stops. None = 1e-3 when the trainer computes in float32,
+    where engines agree to ~1e-6, and 0.25 in bfloat16, provisional: bf16 engines differed by up to 0.125
+    at the Qwen3-0.6B shape on CPU (lib/sync.py BF16_PROBE_TOLERANCE)."""
     lora_sync: Literal["adapter", "merged"] = "adapter"
     """LoRA runs: adapter = each step writes the adapter alone (MBs) and the servers load it at run time
-    (/v1/load_lora_adapter; a started server gets --max-lora-rank); merged = the whole model, merged, is
-    written and reloaded, for servers run without LoRA."""
+    through /v1/load_lora_adapter, a started server getting --max-lora-rank; merged = the whole model,
+    merged, is written and reloaded, for servers run without LoRA."""
 
     def __post_init__(self):
         for url in self.urls:
@@ -112,10 +112,19 @@ def headers(api_key: str | None) -> dict:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+@functools.cache
+def ssl_context():
+    """httpx's default certificate check, built once: httpx builds one for every client and every httpx.get
+    (loading the CA bundle, 0.02-0.13 s of CPU on 2 cores), and the loop talks to its servers every step."""
+    return httpx.create_ssl_context()
+
+
 def is_healthy(base_url: str, api_key: str | None = None, timeout: float = 2.0) -> bool:
     """Whether GET /health (next to /v1) answers 200."""
     try:
-        response = httpx.get(f"{root_url(base_url)}/health", headers=headers(api_key), timeout=timeout)
+        response = httpx.get(
+            f"{root_url(base_url)}/health", headers=headers(api_key), timeout=timeout, verify=ssl_context()
+        )
     except httpx.HTTPError:
         return False
     return response.status_code == 200
@@ -127,7 +136,9 @@ def check_servers(urls: list[str], api_key: str | None = None, timeout: float = 
     for url in urls:
         root = root_url(url)
         try:
-            response = httpx.get(f"{root}/health", headers=headers(api_key), timeout=timeout)
+            response = httpx.get(
+                f"{root}/health", headers=headers(api_key), timeout=timeout, verify=ssl_context()
+            )
         except httpx.TimeoutException:
             raise UserError(
                 f"the inference server {root} did not answer /health within {timeout:.0f} s (is it frozen?)"
@@ -136,6 +147,66 @@ def check_servers(urls: list[str], api_key: str | None = None, timeout: float = 
             raise UserError(f"the inference server {root} is not reachable ({error}): did it stop?") from None
         if response.status_code != 200:
             raise UserError(f"the inference server {root} answered /health with {response.status_code}")
+
+
+# A client waiting on a server that has been paused this long by someone else (a controller killed between
+# /pause and /resume, any client's POST /pause) stops with one sentence instead of waiting forever.
+PAUSED_PATIENCE_S = 60.0
+
+
+class PauseWatch:
+    """Tracks how long each server has answered GET /is_paused with true (both engines serve it, without a
+    key), while this process waits on them: rl.py while the producer's take() waits, eval.py while its
+    rollouts run."""
+
+    def __init__(self, urls: list[str], api_key: str | None = None, patience: float | None = None):
+        self.urls, self.api_key = urls, api_key
+        self.patience = PAUSED_PATIENCE_S if patience is None else patience
+        self.paused_since: dict[str, float] = {}
+
+    def check(self, own_sync: bool = False) -> None:
+        """A UserError naming the first server paused for `patience` seconds; a server that cannot say is
+        left to the health check. With `own_sync` (this process's reload in flight) it forgets what it saw."""
+        if own_sync:
+            self.paused_since.clear()
+            return
+        now = time.monotonic()
+        for url in self.urls:
+            root = root_url(url)
+            try:
+                paused = httpx.get(
+                    f"{root}/is_paused", headers=headers(self.api_key), timeout=5.0, verify=ssl_context()
+                ).json()
+            except (httpx.HTTPError, ValueError):
+                continue
+            if not (isinstance(paused, dict) and paused.get("is_paused") is True):
+                self.paused_since.pop(url, None)
+                continue
+            since = self.paused_since.setdefault(url, now)
+            if now - since >= self.patience:
+                raise UserError(
+                    f"the inference server {root} has been paused for {now - since:.0f} s by another client "
+                    f"(a controller stopped between /pause and /resume?): nothing it was asked will finish; "
+                    f"resume it with `curl -X POST {root}/resume` (with its key) or restart it"
+                )
+
+
+async def unless_paused(coroutine, watch: PauseWatch, every: float | None = None):
+    """Awaits `coroutine`, running watch.check() every `every` seconds: a server paused too long cancels it
+    and raises the watch's UserError."""
+    import asyncio
+
+    task = asyncio.ensure_future(coroutine)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=HEALTH_EVERY_S if every is None else every)
+        if done:
+            return task.result()
+        try:
+            await asyncio.to_thread(watch.check)
+        except UserError:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise
 
 
 def check_base_url(base_url: str, name: str = "the base URL") -> str:
@@ -155,7 +226,7 @@ def model_card(base_url: str, api_key: str | None = None) -> dict:
     """The first model of GET /v1/models (its `id`, and `max_model_len` on vLLM and the builtin engine)."""
     base_url = check_base_url(base_url)
     try:
-        response = httpx.get(f"{base_url}/models", headers=headers(api_key), timeout=30)
+        response = httpx.get(f"{base_url}/models", headers=headers(api_key), timeout=30, verify=ssl_context())
         response.raise_for_status()
         card = response.json()["data"][0]
         if not isinstance(card.get("id"), str):
@@ -186,6 +257,13 @@ def server_environment(api_key: str | None, threads: int | None) -> dict[str, st
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     return env
+
+
+def serves_kept_sets(engine: str, device: str) -> bool:
+    """Whether the server rl.py starts can return each sampled token's kept ids: the builtin engine can, and
+    vLLM on GPUs (--return-sampling-mask needs Model Runner V2, which vLLM 0.32's CPU build cannot run).
+    engine auto picks the builtin engine where no GPU is visible."""
+    return not (engine == "vllm" and device == "cpu")
 
 
 def start_server(
@@ -253,6 +331,7 @@ def running_server(model: str, **kwargs):
 
 def start_or_attach(
     config: InferenceConfig,
+    *,
     model: ModelConfig,
     trainer_dtype: str,
     model_limit: int,
@@ -262,11 +341,13 @@ def start_or_attach(
     run_dir: Path,
     api_key: str | None,
     cleanup: contextlib.ExitStack,
-    log_main=print,
+    say=print,
     lora_rank: int = 0,
+    return_sampling_mask: bool = False,
 ) -> tuple[list[str], list[str], Server | None]:
     """rl.py's servers: attaches to config.urls, or starts one on model.name (`cleanup` stops it), taking
-    LoRA adapters of `lora_rank` at run time when that is > 0. Returns
+    LoRA adapters of `lora_rank` at run time when that is > 0 and returning each sampled token's kept ids
+    with `return_sampling_mask`. Returns
     their base URLs, the model name each answers to, and the started server (None when attached), and
     writes run_dir/provenance.json. `trainer_dtype` is what the trainer saves ("float32", "bfloat16"),
     `model_limit` the model's own context length."""
@@ -277,7 +358,11 @@ def start_or_attach(
         threads = None
         if device == "cpu":
             # Trainer and server share the cores: split them rather than oversubscribe. On-policy, the
-            # server idles while the trainer trains, so the trainer takes every core.
+            # server idles while the trainer trains, so the trainer takes every core. Measured on 2 shared,
+            # busy cores (docs/benchmarks.md, the core split): trainer 1 / server 1 thread 9.7 and 2.9 s a
+            # step in two runs, trainer 2 / server 1 12.5 and 4.8 s (training 2.8-2.9x slower): three
+            # threads on two cores stall each other, as a 2-thread plain loop does (74 new tokens/s against
+            # ~1,000 at 1 thread).
             import torch
 
             cores = os.cpu_count() or 2
@@ -298,6 +383,7 @@ def start_or_attach(
                 # limit (262k tokens for some) would ask for more KV cache than a shared GPU has.
                 *("--max-model-len", str(min(seq_len, model_limit))),
                 *("--max-lora-rank", str(lora_rank)),
+                *(["--return-sampling-mask"] if return_sampling_mask else []),
             ],
             threads=threads,
         )
@@ -311,7 +397,7 @@ def start_or_attach(
     for url in urls:
         longest = model_card(url, api_key).get("max_model_len") or 0
         if longest > seq_len:
-            log_main(
+            say(
                 f"WARNING: {url} serves sequences of up to {longest} tokens, more than seq_len {seq_len}: "
                 f"each request's max_tokens is cut to fit seq_len, and a group whose episode still outgrows it "
                 f"is dropped (start the server with --max-model-len {seq_len} to refuse such prompts there)"

@@ -7,6 +7,7 @@ import json
 import uuid
 from pathlib import Path
 
+from lib import dist
 from lib.config import UserError
 
 WANDB_INSTALL = "pip install wandb (or: pip install -r requirements.lock, which has it)"
@@ -96,6 +97,14 @@ def wandb_eval(cfg: WandbConfig, run_dir: Path, config: dict, summary: dict, rec
     run.finish()
 
 
+def say(*lines: str) -> None:
+    """Prints each line on rank 0 only: every script's console output goes through here. While a RunLog draws
+    its progress bar, rich redirects stdout, so the lines appear above the bar."""
+    if dist.world()[0] == 0:
+        for line in lines:
+            print(line, flush=True)
+
+
 def fmt(value: float) -> str:
     return f"{value:.3e}" if value and (abs(value) < 1e-3 or abs(value) >= 1e5) else f"{value:.4g}"
 
@@ -143,11 +152,6 @@ class RunLog:
         self.task = self.progress.add_task("train", total=total_steps, completed=start_step, metrics="")
         self.progress.start()
 
-    def print(self, *lines: str) -> None:
-        if self.enabled:
-            for line in lines:
-                self.progress.console.print(line, highlight=False, markup=False, soft_wrap=True)
-
     def _record(self, step: int, values: dict[str, float]) -> None:
         """Every scalar to tensorboard, and to wandb when asked."""
         for name, value in values.items():
@@ -165,14 +169,14 @@ class RunLog:
         summary = "  ".join(f"{name} {fmt(value)}" for name, value in zip(names, values.values()))
         self.progress.update(self.task, completed=step, metrics=summary)
         if step % self.print_every == 0:
-            self.print(f"step {step}  {summary}")
+            say(f"step {step}  {summary}")
 
     def evaluation(self, step: int, values: dict[str, float]) -> None:
         """Logs an evaluation's eval/* scalars at `step` (0 = before training) with one console line."""
         if not self.enabled:
             return
         self._record(step, values)
-        self.print(
+        say(
             f"eval at step {step}  "
             + "  ".join(f"{k.removeprefix('eval/')} {fmt(v)}" for k, v in values.items())
         )

@@ -90,7 +90,7 @@ def main(cfg: Config) -> dict:
 
     from lib.config import to_dict
     from lib.envs import EnvConfig, episode_reward, load_env, load_tasks, model_context
-    from lib.inference import running_server
+    from lib.inference import PauseWatch, running_server, unless_paused
     from lib.log import wandb_eval
     from lib.model import check_model_name
     from lib.provenance import write_provenance
@@ -151,9 +151,11 @@ def main(cfg: Config) -> dict:
                 progress.update(bar, advance=1, reward=f"avg reward {statistics.fmean(rewards):.3f}")
 
             try:
-                records = asyncio.run(
-                    run_all(vf_env, tasks, ctx, cfg.rollouts_per_example, cfg.max_concurrent, advance, out)
+                rollouts = run_all(
+                    vf_env, tasks, ctx, cfg.rollouts_per_example, cfg.max_concurrent, advance, out
                 )
+                # A server someone left paused would hold every request forever: stop with one sentence.
+                records = asyncio.run(unless_paused(rollouts, PauseWatch([base_url], api_key)))
             except KeyboardInterrupt:
                 done = len(results.read_text().splitlines())
                 console.print(f"{done} of {total} rollouts (the groups that finished) are in {results}")
@@ -188,6 +190,11 @@ def main(cfg: Config) -> dict:
     console.print(table)
     for cause, count in list(summary["errors"].items())[:5]:
         console.print(Text(f"{count} x ", style="red") + Text(cause))
+    if any("sampling distribution replay requires" in cause for cause in summary["errors"]):
+        console.print(
+            "The server returns kept sets (--return-sampling-mask), so it refuses requests at temperature 0 or "
+            "without top_k: pass --sampling.top-k K and a temperature > 0 (greedy: top_k 1 at temperature 1)."
+        )
     print(f"run dir: {run_dir}", flush=True)
     return summary
 

@@ -1,28 +1,44 @@
 """The single controller: async GRPO-style RL against verifiers environments, with live weight sync.
 
-Starts (or attaches to) inference servers, keeps groups of rollouts in flight, computes
-group-relative advantages, trains with an importance-sampled policy loss, pushes new weights to every
-server each step, logs to tensorboard (and wandb with --wandb.project) and checkpoints for exact resume.
-The loss variants and their papers are described in lib/loss.py (options: --loss.*). Sampling takes
-temperature only: top_p and top_k are refused, since the trainer cannot reproduce the server's
-truncation exactly and the importance ratio would be biased (measured on-policy: 0.90 at top_p 0.9).
+Starts (or attaches to) inference servers, keeps groups of rollouts in flight, computes group-relative
+advantages, trains with an importance-sampled policy loss (lib/loss.py, --loss.*), pushes new weights to
+every server each step, logs to tensorboard (and wandb) and checkpoints for exact resume.
 
---eval.every N holds out the taskset's last eval.num_examples tasks and evaluates them as eval.py does
-(sampled, pass@k, greedy) at the start, every N steps and at the end. The loop waits for each eval, so
-it scores exactly step N's weights (the next publish comes after it) while the producer keeps sampling
-beside it; its cost is logged as eval/seconds. Runs write provenance.json and reward_curve.png too.
-Several environments (env.mix) are drawn by ratio, with metrics and evaluations per environment
-(lib/mixture.py); --filter-flat-groups replaces groups whose rewards are all equal (lib/rollouts.py).
+Where it departs from the textbook, on purpose:
+1. Async: rollouts may come from weights up to max_async_level steps old; the importance ratio against
+   the servers' own logprobs corrects for it (0 = on-policy).
+2. One optimizer step per batch, and no recomputed "old" logprobs: the ratio is against the inference
+   policy itself, so it also absorbs any trainer/server mismatch.
+3. Default loss dppo (a probability-difference mask and a squared log-ratio pull), not PPO's clip
+   (--loss.variant ppo, cispo, reinforce; GSPO's sequence ratio, mismatch correction: lib/loss.py).
+4. Advantages are reward minus the group mean, not divided by the std (Dr. GRPO; --advantage.*: RLOO, std
+   by group or step); flat groups train on nothing, and --filter-flat-groups replaces them with new draws.
+5. The loss is a token mean over the whole step (all micro-batches and ranks); --loss.aggregation takes
+   per-rollout means or Dr. GRPO's constant instead. Recipes by name: configs/recipes/ (grpo, dapo, ...).
+6. No reference model, KL penalty or entropy bonus by default: --loss.kl-coef adds a KL (k1 or k3) to the
+   starting weights (under LoRA the model with its adapter off), --loss.entropy-coef an entropy bonus.
+7. With top_p < 1 or top_k > 0 each token's logprob is renormalised over the ids the server's filter kept
+   (--kept-set: served by the engine, or recomputed by the trainer with vLLM's CPU rules); scored over the
+   full vocabulary the ratio was biased (0.90 on-policy at top_p 0.9). top_p alone samples with top_k 512,
+   a bound on the kept sets; a token outside its recomputed set is left out of the loss (train/outside_kept_set).
+8. No dropout: LoRA's is refused, the model's switched off, so tokens score as the servers sampled them.
+9. At max_async_level >= 1 the servers reload step N's weights while step N+1 trains (lib/sync.py
+   Reloader); the logprob probe, which needs the trainer's live weights, runs at the start only.
+
+With --eval.every N, held-out tasks are evaluated as eval.py does (lib/evaluation.py); env.mix draws
+several environments by ratio (lib/mixture.py). Runs write provenance.json and reward_curve.png too.
 
 Usage:
     python scripts/rl.py @ configs/tiny/rl.toml                                     # CPU
     python scripts/rl.py @ configs/reverse_text/rl.toml                             # one GPU, shared
     python scripts/rl.py @ configs/reverse_text/rl.toml --inference.urls http://h:8000/v1
+    python scripts/rl.py @ configs/reverse_text/rl.toml @ configs/recipes/gspo.toml  # an algorithm's recipe
     torchrun --nproc-per-node 4 scripts/rl.py @ configs/alphabet_sort/rl.toml      # FSDP2 trainer
 """
 
 import dataclasses
 from pathlib import Path
+from typing import Literal
 
 from lib.config import StopAfterStep, UserError, given_api_key, parse, run_main
 from lib.envs import EnvConfig
@@ -32,7 +48,8 @@ from lib.log import WandbConfig
 from lib.loss import LossConfig
 from lib.model import LoraConfig, ModelConfig
 from lib.optim import OptimConfig
-from lib.sampling import SamplingConfig
+from lib.rollouts import AdvantageConfig
+from lib.sampling import SamplingConfig, bounded
 
 
 @dataclasses.dataclass
@@ -45,6 +62,8 @@ class Config:
     """Rollout sampling."""
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     """Policy loss."""
+    advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
+    """Advantages: the baseline and the std normalisation (lib/rollouts.py)."""
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     """AdamW and schedule."""
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
@@ -62,8 +81,10 @@ class Config:
     rollouts_per_example: int = 16
     """Group size for the group-relative advantage."""
     # 8 x 4096 = 32k tokens a forward. The output layer runs in 1024-token chunks (lib/head.py: ~2 GB at
-    # Qwen's 151,936-row vocabulary whatever the rows; full float32 logits were ~4 x 0.6 GB per 1k tokens,
-    # ~80 GB here), so activations bound it: ~1 MB a token at Qwen3-0.6B in bf16, 31 GB (the 4B preset takes 2).
+    # Qwen's 151,936-row vocabulary whatever the rows, + a float32 (V, H) gradient buffer when it trains:
+    # 0.58 GiB at hidden 1024, 1.45 GiB at 2560, none under LoRA; full float32 logits were ~4 x 0.6 GB per
+    # 1k tokens, ~80 GB here), so activations bound it: ~1 MB a token at Qwen3-0.6B in bf16, 31 GB (the 4B
+    # preset takes 2).
     micro_batch_size: int = 8
     """Packed rows per forward/backward on one rank."""
     seq_len: int = 4096
@@ -75,11 +96,15 @@ class Config:
     short rollouts of similar length on CPU (one attention call per micro-batch, not one per rollout)."""
     max_async_level: int = 1
     """Rollouts may come from a policy at most this many steps old (0 = fully on-policy)."""
-    normalize_advantage: bool = False
-    """Divide advantages by the group's reward std."""
+    kept_set: Literal["auto", "served", "recomputed"] = "auto"
+    """With top_p < 1 or top_k > 0, how the trainer knows each sampled token's kept set (the ids top-k/top-p
+    left), which its logprob is renormalised over. served: the server returns them (--return-sampling-mask: the
+    builtin engine, vLLM on GPUs); recomputed: the trainer rebuilds them from its own logits with vLLM's CPU
+    rules (any server; exact against vLLM's CPU build, approximate against GPU vLLM's kernel); auto: served
+    when rl.py starts a server that can, else recomputed."""
     filter_flat_groups: bool = False
     """Replace each group whose rewards are all equal by a new one (bounded per step, rollouts/resampled):
-    steps train on groups with signal, at the cost of the replaced groups' sampling time (lib/rollouts.py)."""
+    steps train on groups with signal, at the cost of the replaced groups' sampling time (lib/producer.py)."""
     output_dir: Path = Path("outputs/rl")
     """Run directory: config.toml, tb/, weights/, checkpoints/, rollouts/."""
     checkpoint_every: int = 10
@@ -109,11 +134,10 @@ class Config:
             raise UserError("rollouts_per_example must be at least 2: a group of one has no advantage.")
         if self.max_async_level < 0:
             raise UserError("max_async_level must be >= 0.")
-        if self.sampling.top_p < 1 or self.sampling.top_k > 0:
+        if self.lora.dropout > 0:
             raise UserError(
-                "rl.py trains with sampling.top_p = 1 and sampling.top_k = -1 only: top_p and top_k truncate "
-                "the sampled distribution at a boundary the trainer cannot reproduce exactly, which biases "
-                "the importance ratio (use temperature to shape sampling)."
+                "rl.py trains with lora.dropout = 0 only: dropout would score other weights than the servers "
+                "sample with, which biases the importance ratio (sft.py takes dropout)."
             )
         if self.sampling.temperature == 0:
             raise UserError(
@@ -129,6 +153,7 @@ class Config:
 def main(cfg: Config) -> dict:
     """Trains and returns {"run_dir", "weights" (the last weights/step_N), "history" (metrics per step)}."""
     import contextlib
+    import secrets
     import time
 
     import torch
@@ -136,34 +161,68 @@ def main(cfg: Config) -> dict:
     from lib import dist, envs, inference, sync
     from lib.checkpoint import drop_newer, load_checkpoint, open_run, save_checkpoint, save_weights, servable
     from lib.config import to_dict
-    from lib.head import next_token_scores
-    from lib.log import RunLog
-    from lib.loss import policy_loss, token_share
-    from lib.mixture import env_metrics, load_mixture
+    from lib.head import KeptSets, next_token_scores
+    from lib.log import RunLog, say
+    from lib.loss import loss_function, token_share
+    from lib.mixture import load_mixture
     from lib.model import check_model_name, load_tokenizer, load_trainable, resolve_device
     from lib.optim import build_optimizer, optimizer_step
     from lib.packing import rl_micro_batches
     from lib.plot import eval_points, plot_curve
-    from lib.rollouts import Producer, write_records
+    from lib.producer import Producer
+    from lib.rollouts import write_records
 
     # ------------------------------------------------------------ config and run directory
     rank, _, world_size = dist.world()
     is_main = rank == 0
-    log_main = print if is_main else (lambda *args: None)
     check_model_name(cfg.model.name)
     run_dir = cfg.output_dir
-    resume_from = open_run(cfg, is_main, log_main)
+    resume_from = open_run(cfg, is_main, say)
 
     # ------------------------------------------------------------ dist and model
     device = dist.init(resolve_device(cfg.model), cfg.peer_timeout)
     torch.manual_seed(cfg.seed)
     model, save_dtype, autocast = load_trainable(
-        cfg.model, cfg.lora, device, world_size, cfg.packing, cfg.activation_checkpointing
+        cfg.model,
+        cfg.lora,
+        device=device,
+        world_size=world_size,
+        packing=cfg.packing,
+        activation_checkpointing=cfg.activation_checkpointing,
     )
+    # Tokens are scored as the servers sampled them, so no dropout anywhere (Config refuses LoRA's). Not
+    # eval mode: transformers runs activation checkpointing in train mode only.
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
     tokenizer = load_tokenizer(cfg.model.name)
     optimizer, scheduler = build_optimizer(model.parameters(), cfg.optim, cfg.steps)
+    compute_loss = loss_function(cfg.loss)  # lib/loss.py's policy_loss, or the one loss.import_path names
+    # loss.kl_coef's reference: the run's starting weights, loaded from model.name, never from a checkpoint, so a
+    # resumed run compares with the same reference. Under LoRA it is the policy with its adapter off (no
+    # memory, no parameters); full fine-tuning loads a frozen copy as the policy is loaded (float32 master
+    # weights, the chunked head, FSDP2-sharded over the ranks), scored without gradient. Memory: the configs'
+    # comments.
+    reference = None
+    if cfg.loss.kl_coef and not cfg.lora.rank:
+        reference, _, _ = load_trainable(
+            cfg.model, LoraConfig(), device=device, world_size=world_size, packing=cfg.packing
+        )
+        reference.requires_grad_(False)
+        reference.eval()
     # Inference logprobs are of the tempered distribution, the one sampled from.
     temperature = cfg.sampling.temperature
+    # Over each sampled token's kept set when top-k/top-p filter it (lib/head.py KeptSets): top_p alone gets
+    # top_k 512, a bound on the kept sets. Every rank resolves the same mode from the config.
+    sampling = bounded(cfg.sampling)
+    if sampling.top_k < 0 and sampling.top_p == 1:
+        kept_set = "none"
+    elif cfg.kept_set != "auto":
+        kept_set = cfg.kept_set
+    elif not cfg.inference.urls and inference.serves_kept_sets(cfg.inference.engine, device):
+        kept_set = "served"
+    else:
+        kept_set = "recomputed"
     # LoRA: the adapter's name on the servers, None where they load the merged model.
     adapter = inference.ADAPTER_NAME if cfg.lora.rank and cfg.inference.lora_sync == "adapter" else None
 
@@ -172,60 +231,105 @@ def main(cfg: Config) -> dict:
         # Its draw counters count the tasks started before it, in flight ones included: skipped, not replayed.
         progress = load_checkpoint(resume_from, model, optimizer, scheduler)
         start = progress["step"]
-        log_main(f"resumed from {resume_from} (step {start})")
+        say(f"resumed from {resume_from} (step {start})")
         if is_main:
             drop_newer(run_dir / "weights", start)
 
     with contextlib.ExitStack() as cleanup:
         # -------------------------------------------------------- inference servers and environment (rank 0)
-        urls, names, api_key, evaluator = [], [], None, None
+        # Every rank knows whether the adapter alone is written (a collective); rank 0 adds the servers.
+        servers, evaluator = sync.Servers(urls=[], names=[], adapter=adapter), None
+        if cfg.inference.probe_tolerance:
+            probe_tolerance = cfg.inference.probe_tolerance
+        else:
+            probe_tolerance = 1e-3 if save_dtype == torch.float32 else sync.BF16_PROBE_TOLERANCE
         if is_main:
             api_key = given_api_key(cfg.inference.api_key)
+            if api_key is None and not cfg.inference.urls:
+                # A server of its own gets a key of its own (in its environment, never on a command line
+                # or on disk): no other local user can pause it or load another directory into it.
+                api_key = secrets.token_urlsafe(24)
             urls, names, _ = inference.start_or_attach(
                 cfg.inference,
-                cfg.model,
-                str(save_dtype).removeprefix("torch."),
-                getattr(model.config, "max_position_embeddings", cfg.seq_len),
-                cfg.seq_len,
-                device,
-                cfg.max_async_level == 0,
-                run_dir,
-                api_key,
-                cleanup,
-                log_main,
-                cfg.lora.rank if adapter else 0,
+                model=cfg.model,
+                trainer_dtype=str(save_dtype).removeprefix("torch."),
+                model_limit=getattr(model.config, "max_position_embeddings", cfg.seq_len),
+                seq_len=cfg.seq_len,
+                device=device,
+                on_policy=cfg.max_async_level == 0,
+                run_dir=run_dir,
+                api_key=api_key,
+                cleanup=cleanup,
+                say=say,
+                lora_rank=cfg.lora.rank if adapter else 0,
+                return_sampling_mask=kept_set == "served",
             )
+            servers = sync.Servers(urls, names, api_key, cfg.inference.pause_mode, adapter, probe_tolerance)
+            servers.top_k, servers.top_p, servers.kept_set = sampling.top_k, sampling.top_p, kept_set
+            if kept_set != "none":
+                source = "served by the engine" if kept_set == "served" else "recomputed by the trainer"
+                say(f"top_k {sampling.top_k}, top_p {sampling.top_p}: each token's kept set is {source}")
             # The prompts are rendered here, as for any run, with model.name's tokenizer and renderer.
             renderer = envs.renderer_name(cfg.model.name)
             contexts = [
-                envs.model_context(url, name, cfg.sampling, api_key, True, cfg.model.name, renderer)
+                envs.model_context(
+                    url, name, sampling, api_key, train=True, tokenizer=cfg.model.name, renderer=renderer
+                )
                 for url, name in zip(urls, names)
             ]
-            mixture, evaluator = load_mixture(cfg, urls[0], names[0], api_key, run_dir / "eval", progress)
-            log_main(f"{mixture.describe()}; {len(urls)} server(s): {' '.join(urls)}")
+            mixture, evaluator = load_mixture(
+                cfg, url=urls[0], model=names[0], api_key=api_key, out=run_dir / "eval", progress=progress
+            )
+            say(f"{mixture.describe()}; {len(urls)} server(s): {' '.join(urls)}")
 
         # -------------------------------------------------------- weight sync
-        probe_prompt = tokenizer.encode(sync.PROBE_TEXT, add_special_tokens=False)
-        bf16_tolerance = sync.BF16_PROBE_TOLERANCE
-        tolerance = cfg.inference.probe_tolerance or (1e-3 if save_dtype == torch.float32 else bf16_tolerance)
+        # Between syncs, a server paused by someone else (a controller killed mid-sync) stops the run.
+        pause_watch = inference.PauseWatch(servers.urls, servers.api_key)
 
-        def publish(version: int, when: str) -> tuple[float, float]:
-            """Writes weights/step_N, has every server load it and checks that each serves it (lib/sync.py);
-            returns the seconds it took and the largest mean |logprob difference| from the trainer."""
-            began = time.perf_counter()
-            merged, keep = cfg.save_merged or version == cfg.steps, cfg.keep_weights
-            path = save_weights(run_dir, version, model, tokenizer, save_dtype, keep, bool(adapter), merged)
-            label, probes = f"step_{version}", []
-            if is_main:
-                sync.reload_weights(urls, path, api_key, label, cfg.inference.pause_mode, adapter)
-                probes = [sync.probe(url, name, probe_prompt, api_key) for url, name in zip(urls, names)]
-            probes = dist.scatter([probes] * world_size)  # every rank takes part in the trainer's forward
-            differences = []
-            for probe in probes:
-                trainer_logprobs = sync.trainer_logprobs(model, autocast, probe_prompt, probe.completion_ids)
-                if is_main:
-                    differences.append(sync.compare(probe, trainer_logprobs, label, tolerance, when))
-            return time.perf_counter() - began, max(differences, default=0.0)
+        def kept_sets(mb) -> KeptSets | None:
+            """The kept sets a micro-batch's tokens were sampled from (None: the full vocabulary)."""
+            if kept_set == "recomputed":
+                return KeptSets(top_k=sampling.top_k, top_p=sampling.top_p)
+            if kept_set == "served" and mb.kept_ids is not None:  # None: a padding micro-batch, no loss
+                return KeptSets(ids=mb.kept_ids, counts=mb.kept_counts)
+            return None
+
+        def reference_logp(mb):
+            """The reference's logprobs of mb's loss tokens (R, T), no gradient, of the distribution the policy's
+            are of: the sampling temperature, and each token's kept set when top-k/top-p filtered it (served: the
+            same ids as the policy's; recomputed: the same rule, on the reference's own logits)."""
+            adapter_off = model.disable_adapter() if reference is None else contextlib.nullcontext()
+            with torch.no_grad(), autocast(), adapter_off:
+                ref_logp, _ = next_token_scores(
+                    model if reference is None else reference,
+                    mb.input_ids,
+                    mb.position_ids,
+                    mb.loss_mask,
+                    temperature,
+                    kept_sets(mb),
+                )  # (R, T)
+            return ref_logp
+
+        def check_servers() -> None:
+            """While the producer waits: every server answers /health and none stays paused (but by this
+            run's own reload in flight)."""
+            inference.check_servers(servers.urls, servers.api_key)
+            pause_watch.check(own_sync=reloader is not None and reloader.in_flight())
+
+        def publish(step: int, when: str) -> tuple[float, float]:
+            """sync.publish for this run: the last step's weights are written merged too."""
+            return sync.publish(
+                run_dir,
+                step,
+                model,
+                tokenizer=tokenizer,
+                save_dtype=save_dtype,
+                autocast=autocast,
+                servers=servers,
+                keep_weights=cfg.keep_weights,
+                merged=cfg.save_merged or step == cfg.steps,
+                when=when,
+            )
 
         # Every server, started or attached, loads the run's starting weights from the run directory and
         # is checked against the trainer before any training: an attached one may hold another run's
@@ -238,26 +342,45 @@ def main(cfg: Config) -> dict:
             producer = Producer(
                 mixture,
                 contexts,
-                cfg.rollouts_per_example,
-                cfg.examples_per_step,
-                cfg.max_async_level,
-                cfg.inference.max_concurrent,
-                cfg.normalize_advantage,
+                rollouts_per_example=cfg.rollouts_per_example,
+                examples_per_step=cfg.examples_per_step,
+                max_async_level=cfg.max_async_level,
+                max_concurrent=cfg.inference.max_concurrent,
+                advantage=cfg.advantage,
                 start_version=start,
                 seq_len=cfg.seq_len,
                 filter_flat_groups=cfg.filter_flat_groups,
             )
             producer.start()
             cleanup.callback(producer.stop)
-        log = RunLog(run_dir, cfg.steps, start, is_main, 1, cfg.wandb, to_dict(cfg))
+            env_names = tuple(source.name for source in mixture.sources)
+        # At max_async_level >= 1 the servers reload beside the next step's training (sync.Reloader);
+        # on-policy, the next step needs this step's weights anyway.
+        background_sync, reloader = cfg.max_async_level >= 1, None
+        if is_main and background_sync:
+            reloader = sync.Reloader(servers, tokenizer, on_loaded=producer.set_version)
+            cleanup.callback(reloader.close)  # a reload in flight finishes, before the producer stops
+        log = RunLog(
+            run_dir,
+            total_steps=cfg.steps,
+            start_step=start,
+            enabled=is_main,
+            print_every=1,
+            wandb=cfg.wandb,
+            config=to_dict(cfg),
+        )
         cleanup.callback(log.close)
-        history, weights, flat_steps, num_errors, env_errors = [], None, 0, 0, {}
+        history, weights, flat_steps, errors_in_run = [], None, 0, 0
 
         def plot() -> None:
             steps, rewards = range(start + 1, start + 1 + len(history)), [m["reward/mean"] for m in history]
-            label, title = "reward (mean of the step's rollouts)", f"rl: {cfg.env.id}"
             plot_curve(
-                run_dir / "reward_curve.png", list(steps), rewards, label, title, eval_points(evaluator)
+                run_dir / "reward_curve.png",
+                steps=list(steps),
+                values=rewards,
+                label="reward (mean of the step's rollouts)",
+                title=f"rl: {cfg.env.id}",
+                points=eval_points(evaluator),
             )
 
         if evaluator is not None:
@@ -266,97 +389,162 @@ def main(cfg: Config) -> dict:
         cleanup.callback(stop.close)
         for step in range(start, cfg.steps):
             step_number = step + 1
-            began = time.perf_counter()
+            step_began = time.perf_counter()
             # ---------------------------------------------------- batch: rank 0 takes the step's groups
             micro_batches_per_rank = [None] * world_size
             if is_main:
                 batch = producer.take(
                     step,
-                    report=lambda message: log.print(f"rollout error: {message}"),
-                    check=lambda: inference.check_servers(urls, api_key),
+                    report=lambda message: say(f"rollout error: {message}"),
+                    check=check_servers,
                 )
                 if batch.num_too_long:
-                    log.print(
+                    say(
                         f"WARNING step {step_number}: dropped {batch.num_too_long} rollouts (whole groups) longer "
                         f"than seq_len {cfg.seq_len} (rollouts/too_long)"
                     )
 
                 # ------------------------------------------------ pack and split over the ranks
+                # DAPO's overlong masking: rollouts cut by a token limit leave the step after their group's
+                # advantages, so they carry no loss and count in no normaliser (as TRL's masking does).
+                rollouts = [r for r in batch.rollouts if not (cfg.loss.mask_truncated and r.truncated)]
+                if kept_set == "served" and any(r.kept_counts is None for r in rollouts):
+                    raise UserError(
+                        "kept_set served, but the servers sent no kept set (sampling_mask) with some rollouts: "
+                        "start them with --return-sampling-mask, or pass --kept-set recomputed."
+                    )
                 micro_batches = rl_micro_batches(
-                    batch.rollouts,
+                    rollouts,
                     cfg.seq_len,
-                    cfg.micro_batch_size,
-                    tokenizer.pad_token_id,
+                    rows_per_micro_batch=cfg.micro_batch_size,
+                    pad_token_id=tokenizer.pad_token_id,
                     num_micro_batches_multiple=world_size,
                     packing=cfg.packing,
                 )
-                num_loss_tokens = sum(mb.num_loss_tokens() for mb in micro_batches)
-                micro_batches_per_rank = [
-                    (micro_batches[r::world_size], num_loss_tokens) for r in range(world_size)
-                ]
-            waited = time.perf_counter() - began
-            rank_micro_batches, num_loss_tokens = dist.scatter(micro_batches_per_rank)
+                # What the loss may normalise by, counted over the whole step, the same on every rank. Dr.
+                # GRPO's budget: max_tokens is per turn, so a multi-turn rollout may hold more than its share.
+                budget = cfg.examples_per_step * cfg.rollouts_per_example * cfg.sampling.max_tokens
+                counts = {
+                    "num_loss_tokens": sum(mb.num_loss_tokens() for mb in micro_batches),
+                    "num_rollouts": len(rollouts),
+                    "num_episodes": len({r.step_episode for r in rollouts}),
+                    "num_budget_tokens": budget,
+                }
+                micro_batches_per_rank = [(micro_batches[r::world_size], counts) for r in range(world_size)]
+            wait_seconds = time.perf_counter() - step_began
+            rank_micro_batches, counts = dist.scatter(micro_batches_per_rank)
+            num_loss_tokens = counts["num_loss_tokens"]
 
             # ---------------------------------------------------- train
-            trained_at = time.perf_counter()
+            train_began = time.perf_counter()
             sums = {"loss": 0.0, "entropy": 0.0}
             for mb in rank_micro_batches if num_loss_tokens else []:
                 mb = mb.to(device)
-                with autocast():  # (R, T) each: no logits over the vocabulary (lib/head.py)
+                # Before the policy's forward, whose activations it would otherwise sit beside.
+                ref_logp = reference_logp(mb) if cfg.loss.kl_coef else None
+                # The output layer scores the loss tokens in chunks (lib/head.py): no (R, T, vocabulary) logits.
+                with autocast():
                     logp, token_entropy = next_token_scores(
-                        model, mb.input_ids, mb.position_ids, mb.loss_mask, temperature
-                    )
-                loss, metrics = policy_loss(
-                    logp, mb.inference_logp, mb.advantages, mb.loss_mask, num_loss_tokens, cfg.loss
+                        model, mb.input_ids, mb.position_ids, mb.loss_mask, temperature, kept_sets(mb)
+                    )  # (R, T) each
+                # A token outside the trainer's recomputed kept set has probability 0 there: it leaves the loss
+                # (the inference logprob in place of the trainer's: ratio 1, no gradient) and is counted.
+                outside = mb.loss_mask & logp.isneginf()  # (R, T)
+                logp = torch.where(outside, mb.inference_logp, logp)  # (R, T)
+                # Only what the options use reaches the loss (a custom loss may take neither). A token outside
+                # the reference's recomputed kept set (probability 0 there) carries no KL.
+                extra = {"token_entropy": token_entropy} if cfg.loss.entropy_coef else {}
+                if ref_logp is not None:
+                    extra["ref_logp"] = torch.where(ref_logp.isneginf(), logp.detach(), ref_logp)  # (R, T)
+                loss, metrics = compute_loss(
+                    logp,
+                    mb.inference_logp,
+                    mb.advantages,
+                    mb.loss_mask,
+                    config=cfg.loss,
+                    rollout_index=mb.rollout_index,
+                    **counts,
+                    **extra,
                 )
                 # FSDP averages gradients over ranks; the loss is already this rank's share of the mean.
                 (loss * world_size).backward()
                 sums["loss"] += loss.item()
                 sums["entropy"] += token_share(token_entropy, mb.loss_mask, num_loss_tokens).item()
+                if kept_set != "none":
+                    share = token_share(outside.float(), mb.loss_mask, num_loss_tokens).item()
+                    sums["outside_kept_set"] = sums.get("outside_kept_set", 0.0) + share
                 for name, value in metrics.items():
                     sums[name] = sums.get(name, 0.0) + value.item()
             grad_norm, lr = optimizer_step(optimizer, scheduler, cfg.optim.max_grad_norm)
             if num_loss_tokens:
                 sums["grad_norm"] = grad_norm / world_size  # every rank has the full norm; summed below
             totals = {name: dist.all_sum(value, device) for name, value in sorted(sums.items())}
-            trained = time.perf_counter() - trained_at
+            train_seconds = time.perf_counter() - train_began
 
             # ---------------------------------------------------- weight sync and evaluation
-            synced, probe_difference = publish(step_number, f"after step {step_number}")
+            sync_began = time.perf_counter()
+            if not background_sync:
+                sync_seconds, probe_difference = publish(step_number, f"after step {step_number}")
+                if is_main:
+                    producer.set_version(step_number)
+            else:
+                # The previous reload must be done before this step's weights are written (one sync in
+                # flight; prune keeps what it reads); this one then runs beside the next step's training.
+                wait_sync_seconds, sync_seconds = reloader.wait() if reloader else (0.0, 0.0)
+                path = save_weights(
+                    run_dir,
+                    step_number,
+                    model,
+                    tokenizer,
+                    save_dtype,
+                    keep=cfg.keep_weights,
+                    adapter=adapter is not None,
+                    merged=cfg.save_merged or step_number == cfg.steps,
+                )
+                if reloader:
+                    reloader.start(step_number, path)
+                probe_difference = 0.0  # the probe runs at the start only (sync.Reloader)
             weights = servable(run_dir / "weights" / f"step_{step_number}")
-            if is_main:
-                producer.set_version(step_number)
-            # The loop waits for the eval: the servers hold this step's weights until the next publish.
+            # The loop waits for the eval, after the reload: the servers hold this step's weights.
             if evaluator is not None and (step_number % cfg.eval.every == 0 or step_number == cfg.steps):
+                if reloader:
+                    reloader.wait()
                 log.evaluation(step_number, evaluator(step_number))
+            sync_path_seconds = time.perf_counter() - sync_began
 
             # ---------------------------------------------------- log
             if is_main:
-                num_tokens = sum(len(r.token_ids) for r in batch.rollouts)
+                num_tokens = sum(len(r.token_ids) for r in rollouts)
                 metrics = {
-                    **batch.metrics(cfg.env.id),
-                    **env_metrics(batch.groups, producer.errors_by_env, env_errors, mixture.sources),
+                    **batch.metrics(cfg.env.id, env_names),
                     **{f"train/{k}": v for k, v in totals.items()},
                     "train/lr": lr,
-                    "rollouts/errors": producer.num_errors - num_errors,
-                    "perf/tokens_per_second": num_tokens / max(trained, 1e-9),
-                    "time/wait_rollouts": waited,
-                    "time/train": trained,
-                    "time/sync_weights": synced,
+                    "train/rollouts": counts["num_rollouts"],
+                    "train/episodes": counts["num_episodes"],
+                    "perf/tokens_per_second": num_tokens / max(train_seconds, 1e-9),
+                    # The engines' generation rate as the loop sees it: every sampled completion token
+                    # (replaced flat groups included) over the step's wall time.
+                    "perf/rollout_tokens_per_second": sum(
+                        sum(r.loss_mask) for group in batch.groups + batch.replaced_groups for r in group
+                    )
+                    / max(time.perf_counter() - step_began, 1e-9),
+                    "time/wait_rollouts": wait_seconds,
+                    "time/train": train_seconds,
+                    "time/sync_weights": sync_seconds,
+                    "time/wait_sync": wait_sync_seconds if background_sync else sync_path_seconds,
                     "sync/probe_logprob_difference": probe_difference,
-                    "time/step": time.perf_counter() - began,
+                    "time/step": time.perf_counter() - step_began,
                 }
+                if cfg.loss.mask_truncated:
+                    metrics["train/truncated_masked"] = len(batch.rollouts) - len(rollouts)
                 history.append(metrics)
                 log.scalars(step_number, metrics)
-                if producer.num_errors > num_errors:
-                    log.print(
-                        f"step {step_number}: {producer.num_errors - num_errors} rollout errors "
-                        f"({producer.num_errors} in the run)"
-                    )
-                num_errors, env_errors = producer.num_errors, dict(producer.errors_by_env)
+                if step_errors := int(metrics["rollouts/errors"]):
+                    errors_in_run += step_errors
+                    say(f"step {step_number}: {step_errors} rollout errors ({errors_in_run} in the run)")
                 if batch.num_flat_groups == len(batch.groups):
                     flat_steps += 1
-                    log.print(
+                    say(
                         f"WARNING step {step_number}: every group is flat (all rewards equal): no learning "
                         "signal. Warm the model up with SFT, raise the temperature or change the task difficulty."
                     )
@@ -369,21 +557,29 @@ def main(cfg: Config) -> dict:
             # ---------------------------------------------------- checkpoint
             stopping = dist.all_sum(stop.requested, device) > 0  # a Ctrl-C on any rank stops them all here
             if step_number % cfg.checkpoint_every == 0 or step_number == cfg.steps or stopping:
+                if reloader:  # a checkpoint (a Ctrl-C's, the last) leaves the servers on its weights
+                    reloader.wait()
                 log.flush()  # the curves on disk reach at least as far as the checkpoint
                 progress = {"world_size": world_size, **(mixture.state() if is_main else {})}
                 save_checkpoint(
-                    run_dir, step_number, model, optimizer, scheduler, progress, cfg.keep_checkpoints
+                    run_dir,
+                    step_number,
+                    model,
+                    optimizer=optimizer,
+                    scheduler=scheduler,
+                    progress=progress,
+                    keep=cfg.keep_checkpoints,
                 )
                 if is_main:
                     plot()
             if stopping and step_number < cfg.steps:
-                log.print(f"stopped after step {step_number}: checkpoints/step_{step_number} saved")
+                say(f"stopped after step {step_number}: checkpoints/step_{step_number} saved")
                 raise KeyboardInterrupt  # run_main ends the run with the resume hint
     if history and flat_steps == len(history):
-        log_main(
+        say(
             "WARNING: no learning signal in any step: every group was flat. Warm the model up with SFT first."
         )
-    log_main(f"run dir: {run_dir}")
+    say(f"run dir: {run_dir}")
     dist.close()
     return {"run_dir": run_dir, "weights": weights, "history": history}
 

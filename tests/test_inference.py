@@ -72,3 +72,19 @@ def test_start_server_raises_the_end_of_the_log_when_the_server_exits(tmp_path):
     with pytest.raises(RuntimeError, match=r"(?s)exited with code 2.*no/such/model") as failed:
         inference.start_server(str(tmp_path / "no/such/model"), engine="torch", log_path=log, timeout=120)
     assert str(log) in str(failed.value)
+
+
+def test_health_checks_build_one_certificate_context(monkeypatch):
+    """httpx builds a certificate context per client or httpx.get unless given one (0.02-0.13 s of CPU each
+    on 2 cores); the loop's calls to its servers reuse lib.inference.ssl_context()."""
+    import ssl
+
+    built = []
+    create = ssl.create_default_context
+    monkeypatch.setattr(ssl, "create_default_context", lambda *a, **k: built.append(1) or create(*a, **k))
+    inference.ssl_context.cache_clear()
+    port = inference.free_port()  # nothing listens there
+    for _ in range(3):
+        assert not inference.is_healthy(f"http://127.0.0.1:{port}/v1", timeout=0.5)
+    assert len(built) == 1
+    inference.ssl_context.cache_clear()

@@ -21,6 +21,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from lib import inference, sync
 from lib.config import UserError, parse
+from lib.head import use_chunked_head
 
 rl = load_script("rl")
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -69,10 +70,10 @@ def test_three_lora_steps_serve_the_trainers_adapter_not_the_base_model(
     published = []
     score = sync.trainer_logprobs
 
-    def trainer_logprobs(model, autocast, prompt, completion):
+    def trainer_logprobs(model, autocast, prompt, completion, *settings):
         with model.disable_adapter():
-            base = score(model, autocast, prompt, completion)
-        trainer = score(model, autocast, prompt, completion)
+            base = score(model, autocast, prompt, completion, *settings)
+        trainer = score(model, autocast, prompt, completion, *settings)
         published.append({"base": base, "trainer": trainer, "tokens": (prompt, completion)})
         return published[-1]["trainer"]
 
@@ -108,6 +109,7 @@ def test_three_lora_steps_serve_the_trainers_adapter_not_the_base_model(
     from transformers import AutoModelForCausalLM
 
     merged = AutoModelForCausalLM.from_pretrained(result["weights"], dtype=torch.float32).eval()
+    use_chunked_head(merged)
     merged_logprobs = score(merged, contextlib.nullcontext, *published[-1]["tokens"])
     assert mean_difference(merged_logprobs, published[-1]["trainer"]) < TOLERANCE
 
@@ -151,6 +153,7 @@ def test_a_resume_after_kill_9_serves_the_checkpoints_adapter(lora_server, train
     assert max(int(p.name[5:]) for p in (out / "checkpoints").glob("step_*")) == 3
     # The server still serves a newer adapter than the checkpoint's, measurably.
     base = AutoModelForCausalLM.from_pretrained(trained_tiny, dtype=torch.float32)
+    use_chunked_head(base)  # the trainer scores tokens through it (lib/head.py)
     step_3 = PeftModel.from_pretrained(base, out / "weights" / "step_3").eval()
     prompt = rl_tokenizer(trained_tiny).encode(sync.PROBE_TEXT, add_special_tokens=False)
     served = sync.probe(lora_server, inference.ADAPTER_NAME, prompt, None)

@@ -14,7 +14,7 @@ import torch
 from conftest import ROOT, load_script, tensorboard_scalars, wandb_history
 
 from lib import inference
-from lib.config import parse
+from lib.config import UserError, parse
 from lib.model import load_tokenizer
 
 rl = load_script("rl")
@@ -124,20 +124,28 @@ def test_an_attached_server_may_serve_the_model_under_another_name(tiny_dir, ser
 
 
 def test_a_run_whose_every_episode_fails_stops_with_the_error(tiny_dir, server, tmp_path, monkeypatch):
-    import lib.rollouts
+    import lib.producer
 
-    monkeypatch.setattr(lib.rollouts, "FAILURE_PATIENCE_S", 2.0)  # 60 s in a run
+    monkeypatch.setattr(lib.producer, "FAILURE_PATIENCE_S", 2.0)  # 60 s in a run
     failing = ["--env.id", "toy_taskset", "--env.args", '{"fail_in_reward": true}']
     with pytest.raises(ValueError, match="no group of rollouts succeeded for .*toy reward exploded"):
         rl.main(rl_config(tiny_dir, tmp_path / "run", server.url, *failing))
 
 
-def test_top_p_and_top_k_are_refused_for_training():
-    from lib.sampling import SamplingConfig
+def test_top_p_and_top_k_train_over_a_bounded_kept_set():
+    # Each token is scored over its kept set (tests/test_kept_sets.py); top_p alone gets top_k 512, so a kept
+    # set never holds ~10^5 of Qwen's ids.
+    from lib.sampling import KEPT_SET_BOUND, SamplingConfig, bounded
 
-    for sampling in (SamplingConfig(top_p=0.9), SamplingConfig(top_k=20)):
-        with pytest.raises(ValueError, match="top_p and top_k"):
-            rl.Config(sampling=sampling)
+    top_p, top_k = SamplingConfig(top_p=0.9), SamplingConfig(top_k=20)
+    both = SamplingConfig(top_p=0.95, top_k=20)
+    for sampling in (top_p, top_k, both):
+        assert rl.Config(sampling=sampling, kept_set="recomputed").sampling == sampling
+    assert bounded(top_p).top_k == KEPT_SET_BOUND == 512
+    assert bounded(both) == both and bounded(top_k) == top_k and bounded(SamplingConfig()).top_k == -1
+    for bad in ({"top_p": 0.0}, {"top_p": 1.5}, {"top_k": 0}):
+        with pytest.raises(ValueError, match="sampling.top_"):
+            SamplingConfig(**bad)
     rl.Config(sampling=SamplingConfig(temperature=0.7))  # temperature alone is matched exactly
 
 
@@ -166,13 +174,27 @@ def test_a_server_whose_weights_root_lacks_the_run_directory_says_so(tiny_dir, s
             rl.main(rl_config(tiny_dir, f"{outside}/run", server.url, "--steps", "1"))
 
 
-def test_lora_dropout_stays_out_of_the_probe(tiny_dir, server, tmp_path):
-    # Dropout in the trainer's probe forward would score other weights than the server's: the run would
-    # stop at the first probe after a step that moved the adapters.
-    flags = ("--lora.rank", "8", "--lora.dropout", "0.5", "--optim.lr", "3e-2", "--max-async-level", "0")
+def test_lora_dropout_is_refused_for_training():
+    # Dropout in the trainer's forward scores other weights than the servers sample with: measured
+    # on-policy with --lora.dropout 0.5, a ratio of 0.9915-0.9994 and a mismatch KL of 0.004-0.005.
+    from lib.model import LoraConfig
+
+    with pytest.raises(ValueError, match="lora.dropout = 0"):
+        rl.Config(lora=LoraConfig(rank=8, dropout=0.5))
+    rl.Config(lora=LoraConfig(rank=8))
+
+
+def test_lora_training_scores_on_policy_tokens_with_the_servers_weights(tiny_dir, server, tmp_path):
+    # On-policy, every step's tokens are scored by the weights that sampled them: a ratio of exactly 1
+    # and no mismatch, in the loss (train/*) as in the probe (sync/*).
+    flags = ("--lora.rank", "8", "--optim.lr", "3e-2", "--max-async-level", "0")
     on_base_weights(server.url, tiny_dir)
     result = rl.main(rl_config(tiny_dir, tmp_path / "run", server.url, *flags))
-    assert all(m["sync/probe_logprob_difference"] < 1e-3 for m in result["history"]), result["history"]
+    for metrics in result["history"]:
+        assert metrics["sync/probe_logprob_difference"] < 1e-3, metrics
+        assert abs(metrics["train/importance_ratio"] - 1) < 1e-3 and metrics["train/mismatch_kl"] < 1e-5, (
+            metrics
+        )
 
 
 def test_rollout_errors_are_logged_per_step_with_a_running_total(
@@ -355,6 +377,31 @@ def test_kill_9_then_resume_continues_from_the_last_checkpoint(tiny_dir, tmp_pat
     assert leftovers == [], leftovers
 
 
+@pytest.mark.slow
+def test_a_run_killed_before_its_first_checkpoint_restarts_in_its_directory(tiny_dir, tmp_path):
+    from conftest import tensorboard_scalars
+
+    out = tmp_path / "run"
+    command = own_server_command(tiny_dir, out, "--steps", "40", "--checkpoint-every", "10")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{FIXTURES}"}
+    process = start_job_until(command, tmp_path, out / "weights" / "step_3", env)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert not list((out / "checkpoints").glob("step_*"))
+    # Before, the rerun published weights/step_0, pruned it beside the dead run's step_2..3 and died in
+    # reload_weights with a traceback. Now it starts over and says so in one line (without --resume too:
+    # tests/test_checkpoint.py).
+    rerun = subprocess.run(
+        command + ["--steps", "2", "--resume"], cwd=tmp_path, capture_output=True, text=True, env=env
+    )
+    assert rerun.returncode == 0 and "Traceback" not in rerun.stderr, rerun.stderr[-3000:]
+    assert f"no checkpoint in {out}: starting at step 0" in rerun.stdout, rerun.stdout
+    (moved,) = (out / "restarted").iterdir()
+    assert (moved / "weights" / "step_3").is_dir() and (moved / "tb").is_dir()
+    assert sorted(p.name for p in (out / "weights").iterdir()) == ["step_1", "step_2"]
+    assert set(tensorboard_scalars(out)["reward/mean"]) == {1, 2}  # the new run's steps alone
+
+
 def test_wandb_keeps_every_step_tensorboard_has_across_kill_9_and_resume(tiny_dir, tmp_path):
     out = tmp_path / "run"
     wandb = ("--wandb.project", "p", "--wandb.offline", "--checkpoint-every", "4")
@@ -422,18 +469,34 @@ def test_three_turn_alphabet_sort_runs_end_to_end_and_warns_when_flat(tiny_dir, 
     assert len((tmp_path / "run" / "rollouts" / "step_1.jsonl").read_text().splitlines()) >= 4
 
 
-@pytest.mark.parametrize("lora", [[], ["--lora.rank", "4", "--optim.lr", "1e-2"]], ids=["full", "lora"])
-def test_two_cpu_processes_match_one_on_the_same_batches(tiny_dir, server, tmp_path, monkeypatch, lora):
-    """Full fine-tuning, and LoRA, whose adapter the two processes gather from their shards and sync."""
+# The loss's sequence-level options: GSPO's ratio, per-rollout means, a sequence mismatch mask, overlong
+# masking (the replayed rollouts of 18 or more sampled tokens count as cut) and the step's std.
+SEQUENCE_LEVEL = [
+    *("--loss.variant", "ppo", "--loss.ratio-level", "sequence", "--loss.aggregation", "sequence_mean"),
+    *("--loss.mismatch-correction", "mask", "--loss.mismatch-level", "sequence"),
+    *("--loss.mismatch-cap", "1.05", "--loss.mask-truncated", "--advantage.normalize", "step"),
+]
+KL_AND_ENTROPY = ["--loss.kl-coef", "0.1", "--loss.entropy-coef", "0.01"]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["--lora.rank", "4", "--optim.lr", "1e-2"], SEQUENCE_LEVEL, KL_AND_ENTROPY],
+    ids=["full", "lora", "sequence_level", "kl_and_entropy"],
+)
+def test_two_cpu_processes_match_one_on_the_same_batches(tiny_dir, server, tmp_path, monkeypatch, extra):
+    """Full fine-tuning; LoRA, whose adapter the two processes gather from their shards and sync; and the
+    sequence-level options, whose per-rollout quantities and step-wide counts must not depend on the ranks."""
+    lora = "--lora.rank" in extra
     from replay_rl import REPLAY_CHUNK_TOKENS, ReplayProducer
     from safetensors.torch import load_file
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     import lib.head
-    import lib.rollouts
+    import lib.producer
 
-    flags = ["--steps", "2", "--micro-batch-size", "1", "--seq-len", "64", "--max-async-level", "0", *lora]
-    monkeypatch.setattr(lib.rollouts, "Producer", ReplayProducer)
+    flags = ["--steps", "2", "--micro-batch-size", "1", "--seq-len", "64", "--max-async-level", "0", *extra]
+    monkeypatch.setattr(lib.producer, "Producer", ReplayProducer)
     monkeypatch.setattr(lib.head, "CHUNK_TOKENS", REPLAY_CHUNK_TOKENS)  # the output layer in several chunks
     if lora:
         on_base_weights(server.url, tiny_dir)
@@ -455,6 +518,18 @@ def test_two_cpu_processes_match_one_on_the_same_batches(tiny_dir, server, tmp_p
     one_losses = [m["train/loss"] for m in one["history"]]
     assert all(loss != 0.0 for loss in one_losses)
     assert two_losses == pytest.approx(one_losses, rel=1e-4, abs=1e-6)
+    if not lora:  # every loss metric and step-wide count, as the one process logged them
+        tags = [tag for tag in one["history"][0] if tag.startswith("train/")]
+        two_values = {(tag, i): event.value for tag in tags for i, event in enumerate(events.Scalars(tag))}
+        one_values = {(tag, i): m[tag] for tag in tags for i, m in enumerate(one["history"])}
+        assert two_values == pytest.approx(one_values, rel=1e-4, abs=1e-6)
+    if extra == KL_AND_ENTROPY:  # a reference sharded like the policy; the entropy's gradient over the ranks
+        assert one["history"][0]["train/ref_kl"] == pytest.approx(0, abs=1e-7)
+        assert one["history"][1]["train/ref_kl"] > 1e-6
+    if extra == SEQUENCE_LEVEL:  # the options really acted
+        assert all(
+            0 < m["train/mismatch_masked"] < 1 and m["train/truncated_masked"] > 0 for m in one["history"]
+        )
     merged = "merged/" if lora else ""  # a LoRA run's last step: its adapter, and the merged model
     a = load_file(tmp_path / "one" / "weights" / "step_2" / f"{merged}model.safetensors")
     b = load_file(tmp_path / "two" / "weights" / "step_2" / f"{merged}model.safetensors")
@@ -504,3 +579,143 @@ def test_rl_runs_an_upstream_shaped_endless_taskset_with_a_tool(tiny_dir, server
     ids = [record["task_id"] for record in records]
     assert len(ids) == 8 and set(ids) <= {str(i) for i in range(6)} and all(ids.count(i) == 2 for i in ids)
     assert all("reply with the sum only" in json.dumps(record["prompt"]) for record in records)
+
+
+def test_at_async_level_one_the_next_step_trains_while_the_servers_reload(
+    tiny_dir, server, tmp_path, monkeypatch
+):
+    import lib.head
+    from lib import sync
+
+    reloads, trained = {}, []
+    reload_weights, score = sync.reload_weights, lib.head.next_token_scores
+
+    def slow_reload(urls, directory, api_key, label, **kwargs):
+        began = time.monotonic()
+        time.sleep(2.0)  # a slow file system or a large model
+        reload_weights(urls, directory, api_key, label, **kwargs)
+        reloads[label] = (began, time.monotonic())
+
+    def timed_scores(*args, **kwargs):
+        trained.append(time.monotonic())
+        return score(*args, **kwargs)
+
+    monkeypatch.setattr(sync, "reload_weights", slow_reload)
+    monkeypatch.setattr(lib.head, "next_token_scores", timed_scores)
+    result = rl.main(
+        rl_config(tiny_dir, tmp_path / "run", server.url, "--steps", "4", "--max-async-level", "1")
+    )
+    history = result["history"]
+    assert sorted(reloads) == ["step_0", "step_1", "step_2", "step_3", "step_4"]  # the last one waited for
+    # Step N+1 trained while reload N was still running (before, every reload sat between two steps).
+    overlapping = [
+        label for label, (began, ended) in reloads.items() if any(began < t < ended for t in trained)
+    ]
+    assert len(overlapping) >= 2, (reloads, trained)
+    assert all(m["rollouts/staleness_max"] <= 1 for m in history), history
+    assert all(m["time/wait_sync"] < 2.0 for m in history[:1]) and "time/wait_sync" in history[-1]
+    assert result["weights"] == tmp_path / "run" / "weights" / "step_4"
+
+
+def test_a_reload_that_fails_beside_training_still_stops_the_run(tiny_dir, server, tmp_path, monkeypatch):
+    from lib import sync
+
+    reload_weights = sync.reload_weights
+
+    def failing_reload(urls, directory, api_key, label, **kwargs):
+        if label == "step_2":
+            raise UserError(f"the inference server {urls[0]} could not load {directory}")
+        reload_weights(urls, directory, api_key, label, **kwargs)
+
+    monkeypatch.setattr(sync, "reload_weights", failing_reload)
+    with pytest.raises(UserError, match="could not load .*step_2"):
+        rl.main(rl_config(tiny_dir, tmp_path / "run", server.url, "--steps", "4", "--max-async-level", "1"))
+
+
+def test_one_reload_at_a_time(monkeypatch, tiny_dir):
+    from lib import sync
+
+    monkeypatch.setattr(sync, "reload_weights", lambda *args, **kwargs: time.sleep(0.5))
+    monkeypatch.setattr(sync, "probe", lambda *args: sync.Probe("http://x/v1", [], [], None))
+    loaded = []
+    reloader = sync.Reloader(
+        sync.Servers(["http://x/v1"], ["m"]), load_tokenizer(str(tiny_dir)), loaded.append
+    )
+    try:
+        reloader.start(1, tiny_dir)
+        assert reloader.in_flight()
+        with pytest.raises(AssertionError, match="one sync at a time"):
+            reloader.start(2, tiny_dir)
+        waited, took = reloader.wait()
+        assert loaded == [1] and took >= 0.5 and not reloader.in_flight()
+    finally:
+        reloader.close()
+
+
+REPLAY_FLAGS = ["--micro-batch-size", "1", "--seq-len", "64", "--max-async-level", "0"]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_reference_kl_is_zero_at_the_first_step_and_grows_after(
+    tiny_dir, server, tmp_path, monkeypatch, lora
+):
+    """The reference is the starting weights: a frozen copy (full), the adapter off (LoRA: no model more)."""
+    from replay_rl import ReplayProducer
+
+    import lib.model
+    import lib.producer
+
+    loaded, load_trainable = [], lib.model.load_trainable
+
+    def counted(*args, **kwargs):
+        loaded.append(load_trainable(*args, **kwargs))
+        return loaded[-1]
+
+    monkeypatch.setattr(lib.producer, "Producer", ReplayProducer)
+    monkeypatch.setattr(lib.model, "load_trainable", counted)
+    lora_flags = ["--lora.rank", "4", "--optim.lr", "1e-2"] if lora else ["--optim.lr", "3e-2"]
+    if lora:
+        on_base_weights(server.url, tiny_dir)
+    flags = ["--steps", "3", *REPLAY_FLAGS, "--loss.kl-coef", "0.1", *lora_flags]
+    history = rl.main(rl_config(tiny_dir, tmp_path / "run", server.url, *flags))["history"]
+    kl = [m["train/ref_kl"] for m in history]
+    assert abs(kl[0]) < 1e-7 and 1e-6 < kl[1] < kl[2], kl  # identical weights, then apart, further apart
+    assert len(loaded) == (1 if lora else 2)  # LoRA: no second model, so no parameter more
+
+
+def test_a_resumed_run_rebuilds_the_reference_from_the_starting_weights(
+    tiny_dir, server, tmp_path, monkeypatch
+):
+    """Its KL at steps 3 and 4 is the uninterrupted run's: a reference read from the checkpoint would be ~0."""
+    from replay_rl import ReplayProducer
+
+    import lib.producer
+
+    class DiesAtStep3(ReplayProducer):
+        def take(self, step: int, report=print, check=None):
+            if step == 2:
+                raise RuntimeError("the run dies before step 3")
+            return super().take(step, report, check)
+
+    flags = [
+        "--steps",
+        "4",
+        "--checkpoint-every",
+        "2",
+        *REPLAY_FLAGS,
+        "--loss.kl-coef",
+        "0.1",
+        "--optim.lr",
+        "3e-2",
+    ]
+    monkeypatch.setattr(lib.producer, "Producer", ReplayProducer)
+    whole = rl.main(rl_config(tiny_dir, tmp_path / "whole", server.url, *flags))["history"]
+    monkeypatch.setattr(lib.producer, "Producer", DiesAtStep3)
+    with pytest.raises(RuntimeError, match="dies before step 3"):
+        rl.main(rl_config(tiny_dir, tmp_path / "resumed", server.url, *flags))
+    monkeypatch.setattr(lib.producer, "Producer", ReplayProducer)
+    resumed = rl.main(rl_config(tiny_dir, tmp_path / "resumed", server.url, *flags, "--resume"))["history"]
+    assert len(resumed) == 2 and whole[2]["train/ref_kl"] > 1e-6
+    for before, after in zip(whole[2:], resumed):
+        assert after["train/ref_kl"] == pytest.approx(before["train/ref_kl"], rel=1e-5, abs=1e-9)
+        assert after["train/loss"] == pytest.approx(before["train/loss"], rel=1e-5, abs=1e-9)

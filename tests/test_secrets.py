@@ -173,3 +173,40 @@ def test_eval_sends_openai_api_key_only_to_an_endpoint_the_user_named(tiny_dir, 
     with pytest.raises(SystemExit):
         eval_script.main(parse(eval_script.Config, argv))
     assert given == [None]
+
+
+def test_a_server_rl_starts_without_a_key_given_gets_one_of_its_own(tiny_dir, tmp_path, monkeypatch):
+    import httpx
+
+    from lib import sync
+
+    monkeypatch.delenv("PLAINRL_API_KEY", raising=False)
+    rl = load_script("rl")
+    answers = {}
+    publish = sync.publish
+
+    def publish_and_knock(*args, **kwargs):
+        result = publish(*args, **kwargs)
+        servers = kwargs["servers"]
+        models = inference.root_url(servers.urls[0]) + "/v1/models"
+        answers["without"] = httpx.get(models).status_code
+        answers["with"] = httpx.get(models, headers=inference.headers(servers.api_key)).status_code
+        answers["key"] = servers.api_key
+        return result
+
+    monkeypatch.setattr(sync, "publish", publish_and_knock)
+    argv = ["@", str(ROOT / "configs/tiny/rl.toml"), "--model.name", str(tiny_dir), "--steps", "1"]
+    argv += [
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--env.id",
+        "letter_taskset",
+        "--inference.engine",
+        "torch",
+    ]
+    argv += ["--examples-per-step", "2", "--rollouts-per-example", "2", "--sampling.max-tokens", "8"]
+    rl.main(parse(rl.Config, argv))
+    # Before, any local user could pause it or reload another directory into it.
+    key = answers.pop("key")
+    assert answers == {"without": 401, "with": 200} and len(key) >= 24
+    assert files_holding(tmp_path / "run", key) == []

@@ -118,14 +118,20 @@ def test_a_server_with_a_longer_context_is_asked_for_rollouts_that_fit_a_trainin
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_a_tied_model_has_its_output_layer_refreshed_after_each_reload(tied, tmp_path, monkeypatch):
-    """vLLM's CPU build keeps a packed copy of a tied output layer (lib/vllm.py TiedOutputLayer); a server
+    """vLLM's CPU build keeps a packed copy of a tied output layer (lib/vllm.py ServedWeights); a server
     without that method stops the run with one sentence that says how to start it."""
     import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from lib import fingerprint
 
     weights = tmp_path / "step_1"
     weights.mkdir()
     (weights / "config.json").write_text(json.dumps({"tie_word_embeddings": tied}))
-    (weights / "model.safetensors").write_bytes(b"")
+    save_file({"model.embed_tokens.weight": torch.ones(4, 3)}, weights / "model.safetensors")
+    served = {"dtype": "float32", "engine": 0, "weights": fingerprint.of_directory(weights)}
     calls = []
 
     def answer(request: httpx.Request) -> httpx.Response:
@@ -135,6 +141,8 @@ def test_a_tied_model_has_its_output_layer_refreshed_after_each_reload(tied, tmp
             return httpx.Response(
                 500, json={"error": "Method 'refresh_tied_output_layer' is not implemented."}
             )
+        if body.get("method") == "weight_fingerprint":
+            return httpx.Response(200, json={"results": [served]})
         return httpx.Response(200, json={"success": True})
 
     client = httpx.Client
@@ -147,11 +155,41 @@ def test_a_tied_model_has_its_output_layer_refreshed_after_each_reload(tied, tmp
             "/collective_rpc",
             "refresh_tied_output_layer",
         ) not in calls
+        assert ("/collective_rpc", "weight_fingerprint") in calls
         return
     with pytest.raises(UserError) as stopped:
         sync.reload_weights(["http://server:1/v1"], weights, None, "step_1")
-    assert "--worker-extension-cls lib.vllm.TiedOutputLayer" in str(stopped.value) and "\n" not in str(
+    assert "--worker-extension-cls lib.vllm.ServedWeights" in str(stopped.value) and "\n" not in str(
         stopped.value
     )
     order = [path if method is None else method for path, method in calls]
     assert order[:3] == ["/pause", "reload_weights", "refresh_tied_output_layer"] and order[-1] == "/resume"
+
+
+def test_publish_writes_the_weights_has_the_server_load_them_and_probes_it(server, tiny_dir):
+    import torch
+
+    from lib.model import LoraConfig, ModelConfig, load_tokenizer, load_trainable
+
+    running, root = server
+    model, save_dtype, autocast = load_trainable(
+        ModelConfig(name=str(tiny_dir)), LoraConfig(), device="cpu", world_size=1, packing=True
+    )
+    tokenizer = load_tokenizer(str(tiny_dir))
+    servers = sync.Servers([running.url], [inference.served_model(running.url)])
+    settings = dict(
+        tokenizer=tokenizer, save_dtype=save_dtype, autocast=autocast, servers=servers, keep_weights=2
+    )
+    for step in (7, 8):
+        seconds, difference = sync.publish(root, step, model, merged=False, when=f"at {step}", **settings)
+        assert (root / "weights" / f"step_{step}" / "config.json").is_file() and seconds > 0
+        assert difference < 1e-3  # the server computes with what the trainer holds
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(0.5)  # the next step moves the weights
+    # The trainer moved on without a publish: the same check stops a server left on step 8.
+    prompt = tokenizer.encode(sync.PROBE_TEXT, add_special_tokens=False)
+    answer = sync.probe(running.url, servers.names[0], prompt, None)
+    assert answer.label == "step_8"
+    scored = sync.trainer_logprobs(model, autocast, prompt, answer.completion_ids)
+    with pytest.raises(UserError, match="disagrees with the trainer after step 9"):
+        sync.compare(answer, scored, "step_8", 1e-3, "after step 9")
