@@ -183,3 +183,23 @@ def test_no_command_in_the_docs_carries_a_key():
                     shown.append(f"{page.relative_to(ROOT)}:{number}: {text.strip()}")
     advice = "keys on command lines (give them as export PLAINRL_API_KEY=$(cat FILE) instead)"
     assert shown == [], advice + ":\n" + "\n".join(shown)
+
+
+def test_the_layout_page_names_every_file():
+    listed = (ROOT / "docs" / "layout.md").read_text()
+    files = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "lib", "scripts", "benchmarks"]
+        + ["configs", "tests", "docs", "ci"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    missing = [
+        path
+        for path in files
+        if "__pycache__" not in path
+        and f"\n{path} " not in listed
+        and not any(f"\n{parent}/ " in listed for parent in Path(path).parents)
+    ]
+    assert not missing, f"docs/layout.md does not list {missing}"
