@@ -56,15 +56,14 @@ def kept_mask(logits, top_k=None, top_p=None):
     is left and drops the positions whose ascending cumulative sum is <= 1 - p, never the last (the most
     likely token). GPU vLLM runs a Triton kernel whose boundaries may differ: there the served kept sets are
     exact and these approximate.
-
-    With top_k the vocabulary is not sorted (a sort of 151,936 logits costs more than the output layer on a
-    CPU). After top-k, vLLM's ascending row is -inf up to the candidates, then the candidates ascending: that
-    row is rebuilt value for value, so its softmax and cumulative sum are vLLM's to the bit. Only which of
-    several tied ids takes which place may differ, which matters where tied logits straddle the top-p
-    boundary (rare but for bf16 logits): those rows take vLLM's own steps (sorted_rule).
     """
     import torch
 
+    # With top_k the vocabulary is not sorted (a sort of 151,936 logits costs more than the output layer on a
+    # CPU). After top-k, vLLM's ascending row is -inf up to the candidates, then the candidates ascending: that
+    # row is rebuilt value for value, so its softmax and cumulative sum are vLLM's to the bit. Only which of
+    # several tied ids takes which place may differ, which matters where tied logits straddle the top-p
+    # boundary (rare but for bf16 logits): those rows take vLLM's own steps (sorted_rule).
     if top_k is None:
         return (
             torch.ones_like(logits, dtype=torch.bool) if top_p is None else sorted_rule(logits, None, top_p)
