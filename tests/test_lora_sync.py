@@ -151,6 +151,9 @@ def test_a_resume_after_kill_9_serves_the_checkpoints_adapter(lora_server, train
         job.send_signal(signal.SIGKILL)
         job.wait()
     assert max(int(p.name[5:]) for p in (out / "checkpoints").glob("step_*")) == 3
+    # The kill may land inside a reload (at max_async_level 1 it runs beside training), leaving the server
+    # paused: every request would wait. The resumed run's first reload resumes it; this test asks first.
+    httpx.post(inference.root_url(lora_server) + "/resume", timeout=30)
     # The server still serves a newer adapter than the checkpoint's, measurably.
     base = AutoModelForCausalLM.from_pretrained(trained_tiny, dtype=torch.float32)
     use_chunked_head(base)  # the trainer scores tokens through it (lib/head.py)
