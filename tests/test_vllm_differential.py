@@ -192,8 +192,8 @@ def test_every_route_answers_with_vllms_keys_types_and_status_codes(servers):
     for engine in servers:  # the label set above is what the weights report
         labelled = answers[engine]["generate_labelled"].json()["choices"][0]
         assert labelled["weight_versions"] == [{"version": "label-1", "start": 0, "end": 2}]
-    # chat_template_kwargs override the request's add_generation_prompt (before: a 500 from the builtin
-    # engine); a temperature below 0.01 is raised to 0.01 (before: NaN logprobs, then a 500).
+    # add_generation_prompt in chat_template_kwargs gives way to the request's own (before: a 500 from the
+    # builtin engine); a temperature below 0.01 is raised to 0.01 (before: NaN logprobs, then a 500).
     prompts = {engine: answers[engine]["template_kwargs_override"].json() for engine in servers}
     assert prompts["vllm"]["prompt_token_ids"] == prompts["builtin"]["prompt_token_ids"]
     for engine in servers:
