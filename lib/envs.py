@@ -103,7 +103,6 @@ def model_context(
     base_url: str,
     model: str,
     sampling: "SamplingConfig",
-    api_key: str | None = None,
     train: bool = False,
     tokenizer: str | Path | None = None,
     renderer: str = "auto",
@@ -114,16 +113,14 @@ def model_context(
     rewards only. The train client renders the chat here with `tokenizer` (default: the model; give a
     local directory so nothing asks the hub) and calls /inference/v1/generate, so episodes carry token
     ids and logprobs. `renderer` "auto" picks the model-specific renderer of a known hub id, else the
-    tokenizer's chat template; pass e.g. "qwen3" for a local fine-tune of Qwen3. `api_key` (default:
-    $PLAINRL_API_KEY) is sent as the bearer token.
+    tokenizer's chat template; pass e.g. "qwen3" for a local fine-tune of Qwen3. The bearer token is
+    $PLAINRL_API_KEY when a client is built: run episodes inside `key_in_environment(key)`.
     """
     import verifiers.v1 as vf
 
     from lib.inference import check_base_url
 
     base_url = check_base_url(base_url)
-    if api_key:
-        os.environ[API_KEY_VAR] = api_key  # verifiers' clients read the key from the environment only
     values = {"temperature": sampling.temperature, "top_p": sampling.top_p, "max_tokens": sampling.max_tokens}
     if sampling.top_k > 0:
         values["top_k"] = sampling.top_k
@@ -139,6 +136,22 @@ def model_context(
     else:
         client = vf.EvalClientConfig(base_url=base_url, api_key_var=API_KEY_VAR)
     return vf.ModelContext(model=model, client=client, sampling=vf.SamplingConfig(**values))
+
+
+@contextlib.contextmanager
+def key_in_environment(api_key: str | None):
+    """$PLAINRL_API_KEY is `api_key` inside (verifiers' clients read a key from the environment only), and what
+    it was before after: a key left there would reach every server started later from this process."""
+    before = os.environ.get(API_KEY_VAR)
+    if api_key:
+        os.environ[API_KEY_VAR] = api_key
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(API_KEY_VAR, None)
+        else:
+            os.environ[API_KEY_VAR] = before
 
 
 @contextlib.asynccontextmanager

@@ -209,7 +209,7 @@ class Evaluator:
             runs.append(("greedy", greedy, 1))
         metrics = {}
         for name, settings, rollouts in runs:
-            ctx = model_context(self.base_url, self.model, settings, self.api_key)
+            ctx = model_context(self.base_url, self.model, settings)
             with open(out / f"{name}.jsonl", "w") as results:
                 work = run_all(
                     self.vf_env, self.tasks, ctx, rollouts, self.cfg.max_concurrent, results=results

@@ -89,7 +89,7 @@ def main(cfg: Config) -> dict:
     from rich.text import Text
 
     from lib.config import to_dict
-    from lib.envs import EnvConfig, episode_reward, load_env, load_tasks, model_context
+    from lib.envs import EnvConfig, episode_reward, key_in_environment, load_env, load_tasks, model_context
     from lib.inference import PauseWatch, running_server, unless_paused
     from lib.log import wandb_eval
     from lib.model import check_model_name
@@ -133,7 +133,8 @@ def main(cfg: Config) -> dict:
                 base_url, command = server.url, server.process.args
             except RuntimeError as error:
                 fail(str(error))
-        ctx = model_context(base_url, cfg.model.name, cfg.sampling, api_key)
+        stack.enter_context(key_in_environment(api_key))
+        ctx = model_context(base_url, cfg.model.name, cfg.sampling)
         write_provenance(run_dir, [{"url": base_url, "command": command}], api_key)
 
         # ------------------------------------------------------------ rollouts

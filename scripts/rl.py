@@ -249,6 +249,7 @@ def main(cfg: Config) -> dict:
                 # A server of its own gets a key of its own (in its environment, never on a command line
                 # or on disk): no other local user can pause it or load another directory into it.
                 api_key = secrets.token_urlsafe(24)
+            cleanup.enter_context(envs.key_in_environment(api_key))
             urls, names, _ = inference.start_or_attach(
                 cfg.inference,
                 model=cfg.model,
@@ -273,7 +274,7 @@ def main(cfg: Config) -> dict:
             renderer = envs.renderer_name(cfg.model.name)
             contexts = [
                 envs.model_context(
-                    url, name, sampling, api_key, train=True, tokenizer=cfg.model.name, renderer=renderer
+                    url, name, sampling, train=True, tokenizer=cfg.model.name, renderer=renderer
                 )
                 for url, name in zip(urls, names)
             ]

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# The fixture tasksets import by name (letter_taskset: a reward that varies even for an untrained model).
+sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
 # Why the vLLM tests could not run, when they could not (printed once at the end of the session).
 TOOL_EPISODES = 2  # how many calculator episodes tool_caller learned by heart
 VLLM_MISSING = "vLLM's CPU build is not installed (make setup-vllm installs it on x86-64 and aarch64 Linux)"

@@ -6,7 +6,6 @@ trained_tiny after this module's tests)."""
 import contextlib
 import re
 import shutil
-import sys
 
 import pytest
 import torch
@@ -17,9 +16,6 @@ from lib import fingerprint, inference, sync
 from lib.config import UserError, parse
 
 rl = load_script("rl")
-sys.path.insert(
-    0, str(ROOT / "tests" / "fixtures")
-)  # letter_taskset: a reward that varies even for an untrained model
 ENGINES = ["torch", pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.vllm])]
 
 

@@ -25,7 +25,6 @@ from lib.head import use_chunked_head
 
 rl = load_script("rl")
 FIXTURES = ROOT / "tests" / "fixtures"
-sys.path.insert(0, str(FIXTURES))  # letter_taskset: a reward that varies even for an untrained model
 TOLERANCE = 1e-3  # the probe's in float32 (inference.probe_tolerance's default)
 LORA = ["--lora.rank", "8", "--lora.alpha", "16", "--optim.lr", "5e-2"]
 

@@ -4,7 +4,6 @@ per-environment metrics and evaluations on the tiny model."""
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 from conftest import ROOT, load_script, tensorboard_scalars, wandb_history
@@ -15,7 +14,6 @@ from lib.mixture import Mixture, Source
 from lib.tasks import EnvConfig, env_configs
 
 rl = load_script("rl")
-sys.path.insert(0, str(ROOT / "tests" / "fixtures"))  # letter_taskset
 
 MIX = [
     '{"id": "alphabet_sort", "ratio": 3, "args": {"max_turns": 2}}',

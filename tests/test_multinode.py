@@ -12,7 +12,6 @@ import os
 import shlex
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,7 +26,6 @@ from lib.inference import free_port
 
 FIXTURES = ROOT / "tests" / "fixtures"
 HOOKS = FIXTURES / "hooks"
-sys.path.insert(0, str(FIXTURES))
 rl = load_script("rl")
 sft = load_script("sft")
 

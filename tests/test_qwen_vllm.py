@@ -8,7 +8,6 @@ one. It runs without runtime LoRA, so it also shows what a LoRA run says to such
 """
 
 import json
-import sys
 
 import pytest
 import torch
@@ -21,7 +20,6 @@ from lib.config import UserError, parse
 from lib.qwen import QwenConfig, write_qwen
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
-sys.path.insert(0, str(ROOT / "tests" / "fixtures"))  # letter_taskset: reward = the share of a's in the reply
 SFT_STEPS = 10
 
 

@@ -210,3 +210,6 @@ def test_a_server_rl_starts_without_a_key_given_gets_one_of_its_own(tiny_dir, tm
     key = answers.pop("key")
     assert answers == {"without": 401, "with": 200} and len(key) >= 24
     assert files_holding(tmp_path / "run", key) == []
+    # Its key lived in this process's environment for the run only: left there, every server a later caller
+    # starts from that environment would demand it.
+    assert "PLAINRL_API_KEY" not in os.environ

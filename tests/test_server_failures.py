@@ -22,7 +22,6 @@ from lib.config import parse
 pytestmark = pytest.mark.slow
 rl = load_script("rl")
 FIXTURES = ROOT / "tests" / "fixtures"
-sys.path.insert(0, str(FIXTURES))
 # How long rl.py may take to notice a dead or frozen server: up to 5 s to the next health check, its 5 s
 # timeout, the step the trainer is on and the shutdown; twice that on a loaded 2-core machine (one CI run
 # took 20.3 s). A run that hangs never ends, so the bound still tells the two apart.

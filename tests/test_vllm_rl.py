@@ -22,7 +22,6 @@ from lib.config import parse
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 rl = load_script("rl")
 FIXTURES = ROOT / "tests" / "fixtures"
-sys.path.insert(0, str(FIXTURES))  # letter_taskset: a reward that varies even for an untrained model
 THREE_TURNS = {"min_turns": 3, "max_turns": 3, "min_names_per_turn": 1, "max_names_per_turn": 4}
 SHORT_RUN = ["--examples-per-step", "2", "--rollouts-per-example", "4", "--sampling.max-tokens", "24"]
 SHORT_RUN += ["--env.id", "letter_taskset", "--max-async-level", "0"]
@@ -128,7 +127,9 @@ def test_three_turn_training_tokens_are_the_ones_vllm_echoed(vllm_server, traine
     vf_env = envs.load_env(env)
     task = envs.load_tasks(vf_env, env)[0]
     name = inference.served_model(vllm_server.url)
-    ctx = envs.model_context(vllm_server.url, name, SamplingConfig(max_tokens=64), None, True, trained_tiny)
+    ctx = envs.model_context(
+        vllm_server.url, name, SamplingConfig(max_tokens=64), train=True, tokenizer=trained_tiny
+    )
 
     async def one():
         async with envs.serving(vf_env):
