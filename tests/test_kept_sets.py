@@ -27,6 +27,12 @@ def qwen_bf16(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def qwen_float32(tmp_path_factory):
+    """The same shape with float32 weights."""
+    return write_qwen(tmp_path_factory.mktemp("qwen") / "float32", QwenConfig(shape="test", dtype="float32"))
+
+
+@pytest.fixture(scope="module")
 def vllm_rule(vllm_installed):
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
@@ -101,31 +107,29 @@ def test_on_policy_ratio_is_one_over_the_kept_sets(kept_set, tiny_dir, server, t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kept_set", ["served", "recomputed"])
-def test_on_policy_ratio_is_one_over_the_kept_sets_at_the_qwen_shape_in_bf16(kept_set, qwen_bf16, tmp_path):
-    # The full vocabulary, bf16 weights on both sides (rl.py on CPU trains bf16 weights as they are).
-    args = [
-        "@",
-        str(ROOT / "configs/tiny/rl.toml"),
-        "--model.name",
-        str(qwen_bf16),
-        "--model.dtype",
-        "bfloat16",
-    ]
+@pytest.mark.parametrize(
+    "dtype, kept_set", [("bfloat16", "served"), ("bfloat16", "recomputed"), ("float32", "recomputed")]
+)
+def test_on_policy_ratio_is_one_over_the_kept_sets_at_the_qwen_shape(dtype, kept_set, request, tmp_path):
+    # The full vocabulary, the same weights' dtype on both sides (rl.py on CPU trains the weights as they are).
+    model = request.getfixturevalue("qwen_bf16" if dtype == "bfloat16" else "qwen_float32")
+    args = ["@", str(ROOT / "configs/tiny/rl.toml"), "--model.name", str(model), "--model.dtype", dtype]
     args += ["--output-dir", str(tmp_path / "run"), "--inference.engine", "torch", "--steps", "2"]
     args += ["--env.id", "letter_taskset", "--examples-per-step", "2", "--rollouts-per-example", "4"]
     args += ["--sampling.max-tokens", "12", "--kept-set", kept_set, *ON_POLICY]
     result = rl.main(parse(rl.Config, args))
     for metrics in trained_steps(result):
-        if kept_set == "served":
+        if kept_set == "served" or dtype == "float32":
             assert abs(metrics["train/importance_ratio"] - 1) < 1e-3, metrics
             assert metrics["train/mismatch_kl"] < 1e-4, metrics
         else:
             # Recomputed from bf16 logits that are not the engine's (a full forward against its KV-cache
-            # decode): random weights put many near-ties at the 20th logit, so a few percent of the sets
-            # differ (measured: 3-5% of tokens outside, a ratio of 0.9994-1.0041, a KL of 0.0006-0.0012).
-            # Served sets are exact; on GPUs they are the default.
-            assert abs(metrics["train/importance_ratio"] - 1) < 1e-2, metrics
+            # decode: they differ by up to 1.5 bf16 steps), where random weights leave the 20th and 21st
+            # logits 0 or 1 step apart in nearly every row and ~20 near-equal ids in the set: a few percent
+            # of the sets differ by an id worth ~5% of the set's mass. Measured over 5 runs: 2-5% of
+            # tokens outside, ratios 0.9895-1.0041, a KL of 0.0005-0.0012. An approximation, so served
+            # sets are the default wherever the engine has them (the builtin engine, vLLM on GPUs).
+            assert abs(metrics["train/importance_ratio"] - 1) < 2e-2, metrics
             assert metrics["train/mismatch_kl"] < 5e-3 and metrics["train/outside_kept_set"] < 0.15, metrics
 
 
