@@ -37,6 +37,7 @@ def cached_sft(name: str, tiny_dir: Path, made_by: list[str], args: list[str], s
     """weights/step_<steps> of `sft.py args` run on the tiny model, kept in outputs/test-cache/ under a hash
     of what makes it (the model's and the SFT stage's code, `made_by`, the arguments), so later runs on
     the same checkout reuse it; a fresh clone trains it once."""
+    import fcntl
     import hashlib
 
     from lib.config import parse
@@ -53,12 +54,15 @@ def cached_sft(name: str, tiny_dir: Path, made_by: list[str], args: list[str], s
     content = b"".join((ROOT / name).read_bytes() for name in made_by) + " ".join(args).encode()
     out = ROOT / "outputs" / "test-cache" / f"{name}-{hashlib.sha256(content).hexdigest()[:16]}"
     weights = out / "weights" / f"step_{steps}"
-    if not (weights / "config.json").is_file():
-        shutil.rmtree(out, ignore_errors=True)
-        sft = load_script("sft")
-        common = ["--model.name", str(tiny_dir), "--output-dir", str(out), "--steps", str(steps)]
-        common += ["--checkpoint-every", str(steps), "--log-every", "100"]
-        sft.main(parse(sft.Config, [*args, *common]))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f"{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two test runs on one checkout: one trains it, the other waits
+        if not (weights / "config.json").is_file():
+            shutil.rmtree(out, ignore_errors=True)
+            sft = load_script("sft")
+            common = ["--model.name", str(tiny_dir), "--output-dir", str(out), "--steps", str(steps)]
+            common += ["--checkpoint-every", str(steps), "--log-every", "100"]
+            sft.main(parse(sft.Config, [*args, *common]))
     return weights
 
 
