@@ -359,6 +359,10 @@ class Servers:
     kept_set: str = "none"
     """How the trainer knows each sampled token's kept set: served, recomputed, or none (no top-k/top-p)."""
 
+    def reload(self, path: Path, label: str) -> None:
+        """Every server loads `path` (reload_weights) under `label`, paused by this run's pause_mode."""
+        reload_weights(self.urls, path, self.api_key, label, pause_mode=self.pause_mode, adapter=self.adapter)
+
 
 def publish(
     run_dir: Path,
@@ -385,14 +389,7 @@ def publish(
     label, probes = f"step_{step}", []
     prompt = tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
     if servers.urls:
-        reload_weights(
-            servers.urls,
-            path,
-            servers.api_key,
-            label=label,
-            pause_mode=servers.pause_mode,
-            adapter=servers.adapter,
-        )
+        servers.reload(path, label)
         probes = [
             probe(url, name, prompt, servers.api_key, servers.top_k, servers.top_p)
             for url, name in zip(servers.urls, servers.names)
@@ -432,14 +429,7 @@ class Reloader:
 
     def _reload(self, step: int, path: Path) -> float:
         began, label, servers = time.perf_counter(), f"step_{step}", self.servers
-        reload_weights(
-            servers.urls,
-            path,
-            servers.api_key,
-            label=label,
-            pause_mode=servers.pause_mode,
-            adapter=servers.adapter,
-        )
+        servers.reload(path, label)
         for url, name in zip(servers.urls, servers.names):
             answer = probe(url, name, self.prompt, servers.api_key, servers.top_k, servers.top_p)
             check_label(answer, label, f"after step {step}")
