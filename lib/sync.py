@@ -454,3 +454,74 @@ class Reloader:
     def close(self) -> None:
         """Lets a reload in flight finish (a server must not stay paused), then stops the thread."""
         self.executor.shutdown(wait=True)
+
+
+class WeightSync:
+    """How each step's weights reach a run's servers. On-policy (`background` False) the loop publishes them
+    (write, reload, probe) before the next step's rollouts; at max_async_level >= 1 it writes them and a
+    Reloader loads them beside the next step's training. Every rank calls publish() and after_step()
+    (writing weights is a collective); rank 0 attach()es the producer's set_version, called once the
+    servers serve a step. The last step's weights are written merged too."""
+
+    def __init__(
+        self, run_dir: Path, model, servers: Servers, *, background: bool, last_step: int, **options
+    ):
+        self.run_dir, self.model, self.servers = run_dir, model, servers
+        self.background, self.last_step = background, last_step
+        self.tokenizer, self.save_dtype, self.autocast = (
+            options["tokenizer"],
+            options["save_dtype"],
+            options["autocast"],
+        )
+        self.keep_weights, self.save_merged = options["keep_weights"], options["save_merged"]
+        self.on_loaded, self.reloader = None, None
+
+    def attach(self, on_loaded) -> None:
+        """Rank 0: `on_loaded(N)` follows each load of step N's weights."""
+        self.on_loaded = on_loaded
+        if self.background:
+            self.reloader = Reloader(self.servers, self.tokenizer, on_loaded)
+
+    def publish(self, step: int, when: str) -> tuple[float, float]:
+        """publish() of step N's weights: (seconds, probe difference)."""
+        return publish(
+            self.run_dir, step, self.model, tokenizer=self.tokenizer, save_dtype=self.save_dtype,
+            autocast=self.autocast, servers=self.servers, keep_weights=self.keep_weights,
+            merged=self.save_merged or step == self.last_step, when=when,
+        )  # fmt: skip
+
+    def after_step(self, step: int) -> dict[str, float]:
+        """Step N's weights to the servers: published before this returns, or (background) written once reload
+        N-1 is done, so one sync is in flight and pruning keeps what it reads, then reloaded beside the next
+        step. Returns its time/sync_weights, time/wait_sync and sync/probe_logprob_difference."""
+        if not self.background:
+            seconds, difference = self.publish(step, f"after step {step}")
+            if self.on_loaded:
+                self.on_loaded(step)
+            return {
+                "time/sync_weights": seconds,
+                "time/wait_sync": seconds,
+                "sync/probe_logprob_difference": difference,
+            }
+        waited, seconds = self.reloader.wait() if self.reloader else (0.0, 0.0)
+        path = save_weights(
+            self.run_dir, step, self.model, self.tokenizer, self.save_dtype, self.keep_weights,
+            adapter=self.servers.adapter is not None, merged=self.save_merged or step == self.last_step,
+        )  # fmt: skip
+        if self.reloader:
+            self.reloader.start(step, path)
+        # The logprob probe runs at the start only (Reloader): seconds is the last finished reload's.
+        return {"time/sync_weights": seconds, "time/wait_sync": waited, "sync/probe_logprob_difference": 0.0}
+
+    def in_flight(self) -> bool:
+        return self.reloader is not None and self.reloader.in_flight()
+
+    def wait(self) -> None:
+        """Until the servers serve the last weights written (before an eval or a checkpoint)."""
+        if self.reloader:
+            self.reloader.wait()
+
+    def close(self) -> None:
+        """Lets a reload in flight finish (a server must not stay paused)."""
+        if self.reloader:
+            self.reloader.close()

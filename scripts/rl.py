@@ -159,7 +159,7 @@ def main(cfg: Config) -> dict:
     import torch
 
     from lib import dist, envs, inference, sync
-    from lib.checkpoint import drop_newer, load_checkpoint, open_run, save_checkpoint, save_weights, servable
+    from lib.checkpoint import drop_newer, load_checkpoint, open_run, save_checkpoint, servable
     from lib.config import to_dict
     from lib.head import KeptSets, next_token_scores
     from lib.log import RunLog, say
@@ -315,28 +315,27 @@ def main(cfg: Config) -> dict:
             """While the producer waits: every server answers /health and none stays paused (but by this
             run's own reload in flight)."""
             inference.check_servers(servers.urls, servers.api_key)
-            pause_watch.check(own_sync=reloader is not None and reloader.in_flight())
+            pause_watch.check(own_sync=weight_sync.in_flight())
 
-        def publish(step: int, when: str) -> tuple[float, float]:
-            """sync.publish for this run: the last step's weights are written merged too."""
-            return sync.publish(
-                run_dir,
-                step,
-                model,
-                tokenizer=tokenizer,
-                save_dtype=save_dtype,
-                autocast=autocast,
-                servers=servers,
-                keep_weights=cfg.keep_weights,
-                merged=cfg.save_merged or step == cfg.steps,
-                when=when,
-            )
-
+        # At max_async_level >= 1 the servers reload beside the next step's training (sync.Reloader);
+        # on-policy, the next step needs this step's weights anyway.
+        weight_sync = sync.WeightSync(
+            run_dir,
+            model,
+            servers,
+            background=cfg.max_async_level >= 1,
+            last_step=cfg.steps,
+            tokenizer=tokenizer,
+            save_dtype=save_dtype,
+            autocast=autocast,
+            keep_weights=cfg.keep_weights,
+            save_merged=cfg.save_merged,
+        )
         # Every server, started or attached, loads the run's starting weights from the run directory and
         # is checked against the trainer before any training: an attached one may hold another run's
         # weights (step 1 would be off-policy), and a server that cannot read the run directory, or runs
         # another model or dtype, stops the run here rather than after a step.
-        publish(start, "at the start of the run")
+        weight_sync.publish(start, "at the start of the run")
 
         # -------------------------------------------------------- rollout producer (rank 0)
         if is_main:
@@ -355,12 +354,8 @@ def main(cfg: Config) -> dict:
             producer.start()
             cleanup.callback(producer.stop)
             env_names = tuple(source.name for source in mixture.sources)
-        # At max_async_level >= 1 the servers reload beside the next step's training (sync.Reloader);
-        # on-policy, the next step needs this step's weights anyway.
-        background_sync, reloader = cfg.max_async_level >= 1, None
-        if is_main and background_sync:
-            reloader = sync.Reloader(servers, tokenizer, on_loaded=producer.set_version)
-            cleanup.callback(reloader.close)  # a reload in flight finishes, before the producer stops
+            weight_sync.attach(on_loaded=producer.set_version)
+            cleanup.callback(weight_sync.close)  # a reload in flight finishes, before the producer stops
         log = RunLog(
             run_dir,
             total_steps=cfg.steps,
@@ -483,35 +478,12 @@ def main(cfg: Config) -> dict:
             train_seconds = time.perf_counter() - train_began
 
             # ---------------------------------------------------- weight sync and evaluation
-            sync_began = time.perf_counter()
-            if not background_sync:
-                sync_seconds, probe_difference = publish(step_number, f"after step {step_number}")
-                if is_main:
-                    producer.set_version(step_number)
-            else:
-                # The previous reload must be done before this step's weights are written (one sync in
-                # flight; prune keeps what it reads); this one then runs beside the next step's training.
-                wait_sync_seconds, sync_seconds = reloader.wait() if reloader else (0.0, 0.0)
-                path = save_weights(
-                    run_dir,
-                    step_number,
-                    model,
-                    tokenizer,
-                    save_dtype,
-                    keep=cfg.keep_weights,
-                    adapter=adapter is not None,
-                    merged=cfg.save_merged or step_number == cfg.steps,
-                )
-                if reloader:
-                    reloader.start(step_number, path)
-                probe_difference = 0.0  # the probe runs at the start only (sync.Reloader)
+            sync_metrics = weight_sync.after_step(step_number)
             weights = servable(run_dir / "weights" / f"step_{step_number}")
             # The loop waits for the eval, after the reload: the servers hold this step's weights.
             if evaluator is not None and (step_number % cfg.eval.every == 0 or step_number == cfg.steps):
-                if reloader:
-                    reloader.wait()
+                weight_sync.wait()
                 log.evaluation(step_number, evaluator(step_number))
-            sync_path_seconds = time.perf_counter() - sync_began
 
             # ---------------------------------------------------- log
             if is_main:
@@ -531,9 +503,7 @@ def main(cfg: Config) -> dict:
                     / max(time.perf_counter() - step_began, 1e-9),
                     "time/wait_rollouts": wait_seconds,
                     "time/train": train_seconds,
-                    "time/sync_weights": sync_seconds,
-                    "time/wait_sync": wait_sync_seconds if background_sync else sync_path_seconds,
-                    "sync/probe_logprob_difference": probe_difference,
+                    **sync_metrics,
                     "time/step": time.perf_counter() - step_began,
                 }
                 if cfg.loss.mask_truncated:
@@ -558,8 +528,7 @@ def main(cfg: Config) -> dict:
             # ---------------------------------------------------- checkpoint
             stopping = dist.all_sum(stop.requested, device) > 0  # a Ctrl-C on any rank stops them all here
             if step_number % cfg.checkpoint_every == 0 or step_number == cfg.steps or stopping:
-                if reloader:  # a checkpoint (a Ctrl-C's, the last) leaves the servers on its weights
-                    reloader.wait()
+                weight_sync.wait()  # a checkpoint (a Ctrl-C's, the last) leaves the servers on its weights
                 log.flush()  # the curves on disk reach at least as far as the checkpoint
                 progress = {"world_size": world_size, **(mixture.state() if is_main else {})}
                 save_checkpoint(
