@@ -317,7 +317,7 @@ def test_the_train_client_renders_a_written_directory_with_qwen3(qwen_dir, tmp_p
     assert envs.renderer_name("Qwen/Qwen3-0.6B") == "qwen3" and envs.renderer_name("gpt2") == "default"
     # rl.py's path: renderer_name(model.name) into model_context, whose train client builds the renderer.
     name = envs.renderer_name(str(qwen_dir))
-    context = envs.model_context("http://127.0.0.1:1/v1", "m", SamplingConfig(), "k", True, qwen_dir, name)
+    context = envs.model_context("http://127.0.0.1:1/v1", "m", SamplingConfig(), True, qwen_dir, name)
     client = context.client
     pool = ElasticRendererPool(client.renderer_model_name, client.renderer, multiplex=client.multiplex)
     slot = asyncio.run(pool.grow())
