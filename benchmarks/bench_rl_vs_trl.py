@@ -23,6 +23,7 @@ Usage:
     python benchmarks/bench_rl_vs_trl.py --model outputs/tiny/sft/weights/step_2000
     python benchmarks/bench_rl_vs_trl.py --model M --trl-python /tmp/trlvenv/bin/python --steps 20
     python benchmarks/bench_rl_vs_trl.py --model M --trl-threads 1 --seed 1   # a busy machine, another seed
+    python benchmarks/bench_rl_vs_trl.py --model M --top-p 0.9 --top-k 20      # kept sets replayed
 (bench_trl_grpo.py's docstring shows how to make the TRL virtualenv.)
 """
 
@@ -85,6 +86,10 @@ def run_trl(args) -> dict:
         str(args.seed),
         "--threads",
         str(args.trl_threads),
+        "--top-p",
+        str(args.top_p),
+        "--top-k",
+        str(max(args.top_k, 0)),
     ]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
@@ -125,6 +130,10 @@ def run_plainrl(args, out: Path) -> dict:
         str(args.seed),
         "--max-async-level",
         str(args.max_async_level),
+        "--sampling.top-p",
+        str(args.top_p),
+        "--sampling.top-k",
+        str(args.top_k),
         "--inference.engine",
         "torch",
         "--checkpoint-every",
@@ -155,6 +164,7 @@ def run_plainrl(args, out: Path) -> dict:
         mean_seconds=splits,
         rollout_tokens_per_second=timed_mean("perf/rollout_tokens_per_second"),
         train_tokens_per_second=timed_mean("perf/tokens_per_second"),
+        importance_ratio=timed_mean("train/importance_ratio"),
         flat_groups=timed_mean("rollouts/flat_groups"),
         reward_mean=round(statistics.fmean(rewards), 4),
         reward_last10=round(statistics.fmean(rewards[-10:]), 4),
@@ -187,6 +197,14 @@ def main() -> None:
         "cores stall each other many times over, and plainrl's split gives each side 1.",
     )
     parser.add_argument("--max-async-level", type=int, default=1, help="plainrl's (TRL is on-policy).")
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="Both sides' top_p (1 = off). plainrl then scores each token over its kept set (served by its "
+        "builtin engine); TRL over the full vocabulary.",
+    )
+    parser.add_argument("--top-k", type=int, default=-1, help="Both sides' top_k (-1 = off).")
     args = parser.parse_args()
     if not Path(args.trl_python).is_file():
         sys.exit(f"no TRL virtualenv at {args.trl_python}: make one as bench_trl_grpo.py's docstring shows.")

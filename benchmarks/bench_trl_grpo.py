@@ -76,6 +76,8 @@ def main():
     parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate.")
     parser.add_argument("--seed", type=int, default=0, help="TRL's seed (sampling, data order).")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default).")
+    parser.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass (1 = off).")
+    parser.add_argument("--top-k", type=int, default=0, help="Top-k filtering (0 = off, TRL's convention).")
     parser.add_argument(
         "--output-dir", default="/tmp/bench_trl_grpo", help="TRL's output directory (nothing saved)."
     )
@@ -114,6 +116,8 @@ def main():
         num_generations=args.rollouts_per_example,
         max_completion_length=args.max_tokens,
         temperature=1.0,
+        top_p=args.top_p,
+        top_k=args.top_k,
         beta=0.0,
         num_iterations=1,
         shuffle_dataset=False,
