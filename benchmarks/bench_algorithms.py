@@ -126,7 +126,9 @@ def plot(path: Path, results: dict[str, list[dict]]) -> None:
         steps = [p[0][0] for p in points]
         minutes = [statistics.fmean(seed[1] for seed in p) for p in points]
         means, errors = zip(*[mean_and_error([seed[2] for seed in p]) for p in points])
+        recipe = name.removesuffix("+kl")
         style = {
+            "color": f"C{RECIPES.index(recipe)}",  # a recipe's two runs share a colour; +kl is dashed
             "linestyle": "--" if name.endswith("+kl") else "-",
             "marker": "o",
             "capsize": 3,
