@@ -15,7 +15,7 @@ import httpx
 from lib import dist, fingerprint
 from lib.checkpoint import save_weights
 from lib.config import UserError
-from lib.inference import HEALTH_EVERY_S, check_servers, headers, root_url, ssl_context
+from lib.inference import HEALTH_EVERY_S, check_servers, headers, is_healthy, root_url, ssl_context
 
 # /pause?mode=wait returns when the longest in-flight completion has finished (minutes for long GPU
 # completions), and loading a large model takes a while too: a request may take this long, as long as
@@ -220,10 +220,23 @@ def reload_weights(
                         "old weights"
                     )
             finally:
-                try:  # a server that died has nothing to resume; the error on the way out says what happened
-                    post(http, url, "/resume")
-                except ValueError:
-                    pass
+                resume(url, api_key)
+
+
+def resume(url: str, api_key: str | None, tries: int = 3) -> None:
+    """POST /resume, each try on a connection of its own: after a 500 (vLLM's answer to a failed weight check)
+    the server may close the keep-alive connection the client would reuse, and a /resume that never reached
+    the server leaves it paused for good. A server that died or froze has nothing to resume (no second
+    try): the error on the way out says what happened."""
+    for attempt in range(tries):
+        try:
+            with httpx.Client(headers=headers(api_key), verify=ssl_context()) as http:
+                post(http, url, "/resume")
+            return
+        except ValueError:
+            if attempt + 1 == tries or not is_healthy(url, api_key):
+                return
+            time.sleep(0.5)
 
 
 @dataclasses.dataclass

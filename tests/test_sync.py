@@ -66,6 +66,28 @@ def test_a_pause_that_times_out_still_resumes_the_server(server, tiny_dir, monke
     assert len(probe.completion_ids) == sync.PROBE_TOKENS  # and it answers
 
 
+def test_a_resume_whose_connection_drops_is_sent_again(server, tiny_dir, tmp_path, monkeypatch):
+    """After a 500 (vLLM's answer to a failed weight check) the server may close the keep-alive connection the
+    client reuses for /resume, which then fails in transport without reaching the server: CI saw vLLM left
+    paused that way, and the next request waited forever. A failed /resume is sent again on a new connection."""
+    running, root = server
+    outside = shutil.copytree(tiny_dir, tmp_path / "weights" / "step_9")  # refused: outside the root
+    post, dropped = sync.post, []
+
+    def dropping_the_first_resume(http, url, path, **kwargs):
+        if path == "/resume" and not dropped:
+            dropped.append(path)
+            raise UserError(f"the inference server {url} is not reachable (Server disconnected): did it stop?")
+        return post(http, url, path, **kwargs)
+
+    monkeypatch.setattr(sync, "post", dropping_the_first_resume)
+    with pytest.raises(ValueError, match="403"):
+        sync.reload_weights([running.url], outside, None, "step_9")
+    monkeypatch.undo()
+    assert dropped == ["/resume"]
+    assert httpx.get(inference.root_url(running.url) + "/is_paused").json() == {"is_paused": False}
+
+
 def test_a_reload_labels_the_weights_and_the_probe_reports_the_label(server, tiny_dir):
     running, root = server
     weights = shutil.copytree(tiny_dir, root / "weights" / "step_7", dirs_exist_ok=True)
