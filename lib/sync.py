@@ -495,12 +495,16 @@ class WeightSync:
         if self.background:
             self.reloader = Reloader(self.servers, self.tokenizer, on_loaded)
 
+    def merged(self, step: int) -> bool:
+        """Whether step N's weights are also written merged (--save-merged, or the last step)."""
+        return self.save_merged or step == self.last_step
+
     def publish(self, step: int, when: str) -> tuple[float, float]:
         """publish() of step N's weights: (seconds, probe difference)."""
         return publish(
             self.run_dir, step, self.model, tokenizer=self.tokenizer, save_dtype=self.save_dtype,
             autocast=self.autocast, servers=self.servers, keep_weights=self.keep_weights,
-            merged=self.save_merged or step == self.last_step, when=when,
+            merged=self.merged(step), when=when,
         )  # fmt: skip
 
     def after_step(self, step: int) -> dict[str, float]:
@@ -519,7 +523,7 @@ class WeightSync:
         waited, seconds = self.reloader.wait() if self.reloader else (0.0, 0.0)
         path = save_weights(
             self.run_dir, step, self.model, self.tokenizer, self.save_dtype, self.keep_weights,
-            adapter=self.servers.adapter is not None, merged=self.save_merged or step == self.last_step,
+            adapter=self.servers.adapter is not None, merged=self.merged(step),
         )  # fmt: skip
         if self.reloader:
             self.reloader.start(step, path)
