@@ -1,8 +1,9 @@
 """Every recipe side by side on CPU: held-out reward against steps and minutes, over seeds, with and without a KL.
 
-Each recipe (dppo, rl.py's default, and configs/recipes/{grpo,dr_grpo,dapo,gspo,cispo}.toml), with and without
---loss.kl-coef, trains the same SFT-warmed tiny model on reverse_text with the tiny preset (the demo's RL:
-8 prompts x 8 rollouts a step, temperature 1, lr 3e-4), the same number of steps, once per seed. Each run
+Each recipe (configs/recipes/{dppo,grpo,dr_grpo,dapo,gspo,cispo}.toml, dppo being rl.py's default), with and
+without --loss.kl-coef, trains the same SFT-warmed tiny model on reverse_text with the tiny preset under it
+(the demo's RL: 8 prompts x 8 rollouts a step, temperature 1, lr 3e-4; its own loss, GSPO's, is replaced by
+the recipe's), the same number of steps, once per seed. Each run
 evaluates the same held-out tasks (the taskset's last --eval-examples, never trained on) at step 0, every
 --eval-every steps and at the end (eval/reward: sampled at temperature 1). Runs go one after the other,
 never side by side (2 cores), and a finished run is kept: rerunning the command goes on where it stopped.
@@ -19,6 +20,7 @@ rate ending at 30% of its peak).
 Usage:
     python benchmarks/bench_algorithms.py                                        # ~12 x 3 runs of 250 steps
     python benchmarks/bench_algorithms.py --model outputs/demo/sft/weights/step_1200 --recipes dppo grpo
+    python benchmarks/bench_algorithms.py --configs dppo gspo cispo+kl --eval-every 125 --eval-examples 200
     python benchmarks/bench_algorithms.py --steps 2 --seeds 1 --sft-steps 10 --eval-examples 4 --eval-every 1
 """
 
@@ -66,8 +68,7 @@ def train(args, model: Path, recipe: str, kl_coef: float, seed: int) -> dict:
     run_dir = args.out / "runs" / f"{recipe}{'+kl' if kl_coef else ''}" / f"seed_{seed}"
     done = run_dir / "tb"
     if not (done.is_dir() and any(s == args.steps for s, _, _ in scalars(run_dir).get("eval/reward", []))):
-        overlay = [] if recipe == "dppo" else ["@", f"configs/recipes/{recipe}.toml"]
-        run(["scripts/rl.py", "@", "configs/tiny/rl.toml", *overlay, "--model.name", str(model),
+        run(["scripts/rl.py", "@", "configs/tiny/rl.toml", "@", f"configs/recipes/{recipe}.toml", "--model.name", str(model),
              "--steps", str(args.steps), "--seed", str(seed), "--loss.kl-coef", str(kl_coef),
              "--eval.every", str(args.eval_every), "--eval.num-examples", str(args.eval_examples),
              "--checkpoint-every", str(args.steps), "--output-dir", str(run_dir)])  # fmt: skip
@@ -156,6 +157,10 @@ def main() -> None:
     parser.add_argument(
         "--kl-coef", type=float, default=0.04, help="the +kl runs' coefficient (0: no +kl runs)"
     )
+    parser.add_argument(
+        "--configs", nargs="+", choices=RECIPES + [f"{r}+kl" for r in RECIPES],
+        help="only these configurations, each a recipe with or without +kl (default: every --recipes x KL)",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=250)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--eval-every", type=int, default=50)
@@ -166,11 +171,13 @@ def main() -> None:
     args.out = args.out.resolve()
     print(f"run dir: {args.out}")
     model = (args.model or warmed_model(args)).resolve()
+    names = args.configs or [
+        f"{recipe}{kl}" for recipe in args.recipes for kl in (["", "+kl"] if args.kl_coef else [""])
+    ]
     results = {}
-    for recipe in args.recipes:
-        for kl_coef in [0.0, args.kl_coef] if args.kl_coef else [0.0]:
-            name = f"{recipe}{'+kl' if kl_coef else ''}"
-            results[name] = [train(args, model, recipe, kl_coef, seed) for seed in range(args.seeds)]
+    for name in names:
+        recipe, kl_coef = name.removesuffix("+kl"), args.kl_coef if name.endswith("+kl") else 0.0
+        results[name] = [train(args, model, recipe, kl_coef, seed) for seed in range(args.seeds)]
     table = report(args, results)
     (args.out / "table.md").write_text(table)
     (args.out / "results.json").write_text(json.dumps(results, indent=1))

@@ -23,10 +23,12 @@ def moved(run, tiny_dir) -> bool:
     return any(not torch.equal(trained[name], start[name]) for name in start)
 
 
-@pytest.mark.parametrize("recipe", ["grpo", "dr_grpo", "gspo", "cispo"])
+@pytest.mark.parametrize("recipe", ["dppo", "grpo", "dr_grpo", "gspo", "cispo"])
 def test_each_recipe_runs_two_steps_and_trains(recipe, tiny_dir, server, tmp_path):  # noqa: F811
+    # Each recipe over the tiny preset, which sets GSPO's: a recipe sets every field it relies on.
     cfg = rl_config(tiny_dir, tmp_path / "run", server.url, "@", str(RECIPES / f"{recipe}.toml"), *SMALL)
     expected = {
+        "dppo": ("dppo", "token", "token_mean", "none"),
         "grpo": ("ppo", "token", "sequence_mean", "group"),
         "dr_grpo": ("ppo", "token", "constant", "none"),
         "gspo": ("ppo", "sequence", "sequence_mean", "group"),
