@@ -77,7 +77,9 @@ def test_a_resume_whose_connection_drops_is_sent_again(server, tiny_dir, tmp_pat
     def dropping_the_first_resume(http, url, path, **kwargs):
         if path == "/resume" and not dropped:
             dropped.append(path)
-            raise UserError(f"the inference server {url} is not reachable (Server disconnected): did it stop?")
+            raise UserError(
+                f"the inference server {url} is not reachable (Server disconnected): did it stop?"
+            )
         return post(http, url, path, **kwargs)
 
     monkeypatch.setattr(sync, "post", dropping_the_first_resume)
