@@ -106,6 +106,8 @@ def run_plainrl(args, out: Path) -> dict:
         str(ROOT / "scripts/rl.py"),
         "@",
         str(ROOT / "configs/tiny/rl.toml"),
+        "@",
+        str(ROOT / "configs/recipes/dppo.toml"),  # the loss the docs' figures were measured with
         "--model.name",
         args.model,
         "--env.id",
