@@ -6,7 +6,7 @@ Part 1 (`--shape`, default 1.7B, the largest Qwen3 shape whose merged sync fits 
 --max-lora-rank (vLLM's CPU build by default), and the trainer's LoRA model (float32, r 32 on every linear
 layer) in this process. `--syncs` adapter syncs, then as many merged ones. Before each one the adapter's B
 moves (as a step would move it); then rl.py's own calls run: checkpoint.save_weights (the adapter alone,
-or the merged model), sync.reload_weights (pause, load, label, cache reset, resume) and the probe, the
+or the merged model), reload.reload_weights (pause, load, label, cache reset, resume) and the probe, the
 server's logprobs against the trainer's. No training runs: at this shape it would not fit beside the server.
 
 Part 2: configs/tiny/rl.toml with --lora.rank 8 on the tiny model (the tests' SFT-warmed one when
@@ -37,7 +37,7 @@ def directory_bytes(path: Path) -> int:
 def real_shape(args, root: Path) -> None:
     import torch
 
-    from lib import inference, sync
+    from lib import inference, probing, reload
     from lib.checkpoint import save_weights
     from lib.model import LoraConfig, ModelConfig, load_tokenizer, load_trainable
     from lib.qwen import QwenConfig, write_qwen
@@ -55,7 +55,7 @@ def real_shape(args, root: Path) -> None:
         lora = LoraConfig(rank=args.rank, alpha=2.0 * args.rank)
         model, _, autocast = load_trainable(ModelConfig(name=str(base)), lora, "cpu", 1, packing=False)
         tokenizer = load_tokenizer(str(base))
-        prompt = tokenizer.encode(sync.PROBE_TEXT, add_special_tokens=False)
+        prompt = tokenizer.encode(probing.PROBE_TEXT, add_special_tokens=False)
         rows = {"adapter": [], "merged": []}
         print(
             f"{'sync':>8} {'MB written':>10} {'write s':>8} {'load s':>7} {'probe s':>8} {'probe diff':>10}"
@@ -73,12 +73,14 @@ def real_shape(args, root: Path) -> None:
             )
             written = time.perf_counter()
             adapter = inference.ADAPTER_NAME if mode == "adapter" else None
-            sync.reload_weights([server.url], path, None, f"step_{index + 1}", "wait", adapter)
+            reload.reload_weights([server.url], path, None, f"step_{index + 1}", "wait", adapter)
             loaded = time.perf_counter()
             name = inference.ADAPTER_NAME if adapter else str(base)
-            probe = sync.probe(server.url, name, prompt, None)
-            trainer = sync.trainer_logprobs(model, autocast, prompt, probe.completion_ids)
-            difference = sync.compare(probe, trainer, f"step_{index + 1}", sync.BF16_PROBE_TOLERANCE, "now")
+            probe = probing.probe(server.url, name, prompt, None)
+            trainer = probing.trainer_logprobs(model, autocast, prompt, probe.completion_ids)
+            difference = probing.compare(
+                probe, trainer, f"step_{index + 1}", probing.BF16_PROBE_TOLERANCE, "now"
+            )
             probed = time.perf_counter()
             row = (directory_bytes(path), written - began, loaded - written, probed - loaded, difference)
             rows[mode].append(row)

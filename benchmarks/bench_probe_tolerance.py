@@ -51,16 +51,16 @@ def reversal_chats(path: Path, count: int = 512) -> Path:
 def differences(server_url: str, model, tokenizer) -> dict[str, list[float]]:
     import torch
 
-    from lib import sync
+    from lib import probing
 
     bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
     fp32 = lambda: torch.autocast("cpu", enabled=False)  # noqa: E731
     found = {"float32": [], "bf16 autocast": [], "server logp": []}
     for text in PROMPTS:
         ids = tokenizer.encode(text, add_special_tokens=False)
-        probe = sync.probe(server_url, "policy", ids, None)
+        probe = probing.probe(server_url, "policy", ids, None)
         for name, autocast in (("float32", fp32), ("bf16 autocast", bf16)):
-            trainer = sync.trainer_logprobs(model, autocast, ids, probe.completion_ids)
+            trainer = probing.trainer_logprobs(model, autocast, ids, probe.completion_ids)
             found[name].append(sum(abs(a - b) for a, b in zip(probe.logprobs, trainer)) / len(trainer))
         found["server logp"].append(sum(probe.logprobs) / len(probe.logprobs))
     return found
@@ -80,7 +80,7 @@ def main() -> None:
     from conftest import load_script
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lib import inference, sync
+    from lib import inference, reload
     from lib.checkpoint import write_hf_dir
     from lib.config import parse
     from lib.head import use_chunked_head
@@ -113,7 +113,7 @@ def main() -> None:
             log = root / f"{engine}.log"
             with inference.running_server(str(base), engine=engine, log_path=log, extra_args=extra) as server:
                 for label, model_dir in models.items():
-                    sync.reload_weights([server.url], model_dir, None, label)
+                    reload.reload_weights([server.url], model_dir, None, label)
                     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
                     use_chunked_head(model)  # the trainer scores tokens through it
                     tokenizer = AutoTokenizer.from_pretrained(model_dir)

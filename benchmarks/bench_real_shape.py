@@ -48,7 +48,7 @@ def child(args) -> None:
     """rl.py in this process, its sync phases timed; prints one JSON line per step."""
     from conftest import load_script
 
-    from lib import checkpoint, sync
+    from lib import checkpoint, probing, reload
     from lib.config import parse
 
     syncs = [{}]  # one dict of phase seconds per weight sync: the run's start, then every step
@@ -82,9 +82,9 @@ def child(args) -> None:
 
     checkpoint.save_weights = save_and_start
     phases = {"/pause": "pause_s", "/collective_rpc": "load_s"}
-    sync.post = timed(lambda http, url, path, *r: phases.get(path.split("?")[0], "other_s"), sync.post)
-    sync.probe = timed("probe_s", sync.probe)
-    sync.trainer_logprobs = timed("probe_s", sync.trainer_logprobs)
+    reload.post = timed(lambda http, url, path, *r: phases.get(path.split("?")[0], "other_s"), reload.post)
+    probing.probe = timed("probe_s", probing.probe)
+    probing.trainer_logprobs = timed("probe_s", probing.trainer_logprobs)
 
     rl = load_script("rl")
     rl_args = ["@", str(ROOT / "configs/reverse_text/rl.toml"), "--model.name", args.model]

@@ -625,7 +625,7 @@ def section_rl(setup: Setup) -> dict:
     import torch
     from conftest import load_script
 
-    from lib import packing, sync
+    from lib import packing, probing
     from lib.config import parse
 
     rl = load_script("rl")
@@ -638,7 +638,7 @@ def section_rl(setup: Setup) -> dict:
 
     # rl.py's own functions, wrapped: what each step sampled, and what every weight check found.
     sampled_tokens, checks = [], []
-    micro_batches, compare = packing.rl_micro_batches, sync.compare
+    micro_batches, compare = packing.rl_micro_batches, probing.compare
 
     def counting(rollouts, *args, **kwargs):
         sampled_tokens.append(sum(sum(r.loss_mask) for r in rollouts))
@@ -658,12 +658,12 @@ def section_rl(setup: Setup) -> dict:
 
     if setup.cuda:
         threading.Thread(target=sample_device_memory, daemon=True).start()
-    packing.rl_micro_batches, sync.compare = counting, checking
+    packing.rl_micro_batches, probing.compare = counting, checking
     reset_peak(setup)
     try:
         history = rl.main(cfg)["history"]
     finally:
-        packing.rl_micro_batches, sync.compare = micro_batches, compare
+        packing.rl_micro_batches, probing.compare = micro_batches, compare
         stop.set()
     waited = sum(m["time/wait_rollouts"] for m in history)
     return {

@@ -1,5 +1,5 @@
 """Weight fingerprints: per weight, float64 sums over a few fixed input columns, computed by a server from what
-its engine computes with and by the controller from the safetensors it wrote (lib/sync.py compares them)."""
+its engine computes with and by the controller from the safetensors it wrote (lib/reload.py compares them)."""
 
 import json
 from pathlib import Path

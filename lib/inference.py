@@ -56,7 +56,7 @@ class InferenceConfig:
     """Largest mean |logprob difference| allowed between a server and the trainer on the probe that
     follows every weight load; past it the run stops. None = 1e-3 when the trainer computes in float32,
     where engines agree to ~1e-6, and 0.25 in bfloat16, provisional: bf16 engines differed by up to 0.125
-    at the Qwen3-0.6B shape on CPU (lib/sync.py BF16_PROBE_TOLERANCE)."""
+    at the Qwen3-0.6B shape on CPU (lib/probing.py BF16_PROBE_TOLERANCE)."""
     lora_sync: Literal["adapter", "merged"] = "adapter"
     """LoRA runs: adapter = each step writes the adapter alone (MBs) and the servers load it at run time
     through /v1/load_lora_adapter, a started server getting --max-lora-rank; merged = the whole model,

@@ -131,7 +131,7 @@ def vllm_command(
 
 
 class ServedWeights:
-    """vLLM worker extension: the `/collective_rpc` methods sync.py calls after every reload, run in each
+    """vLLM worker extension: the `/collective_rpc` methods lib/reload.py calls after every reload, run in each
     engine's worker. `refresh_tied_output_layer` repacks a tied output layer (Qwen3 up to 4B) on the CPU
     build; `weight_fingerprint` shows what the engine computes with (lib/fingerprint.py).
 

@@ -158,7 +158,7 @@ def main(cfg: Config) -> dict:
 
     import torch
 
-    from lib import dist, envs, inference, sync
+    from lib import dist, envs, inference, probing, sync
     from lib.checkpoint import drop_newer, load_checkpoint, open_run, save_checkpoint, servable
     from lib.config import to_dict
     from lib.head import KeptSets, next_token_scores
@@ -242,7 +242,7 @@ def main(cfg: Config) -> dict:
         if cfg.inference.probe_tolerance:
             probe_tolerance = cfg.inference.probe_tolerance
         else:
-            probe_tolerance = 1e-3 if save_dtype == torch.float32 else sync.BF16_PROBE_TOLERANCE
+            probe_tolerance = 1e-3 if save_dtype == torch.float32 else probing.BF16_PROBE_TOLERANCE
         if is_main:
             api_key = given_api_key(cfg.inference.api_key)
             if api_key is None and not cfg.inference.urls:

@@ -12,7 +12,7 @@ import torch
 from conftest import ROOT, load_script
 from safetensors.torch import load_file, save_file
 
-from lib import fingerprint, inference, sync
+from lib import fingerprint, inference, probing, reload
 from lib.config import UserError, parse
 
 rl = load_script("rl")
@@ -26,7 +26,7 @@ def server(request, tiny_dir, tmp_path_factory):
     if request.param == "vllm":
         url, served = request.getfixturevalue("vllm_server").url, request.getfixturevalue("trained_tiny")
         yield url, served
-        sync.reload_weights([url], served, None, "default")  # as the shared server's other users expect
+        reload.reload_weights([url], served, None, "default")  # as the shared server's other users expect
         return
     log = tmp_path_factory.mktemp("fingerprint") / "serve.log"
     with inference.running_server(
@@ -38,7 +38,7 @@ def server(request, tiny_dir, tmp_path_factory):
 def keep_serving(monkeypatch, directory) -> None:
     """Every reload answers success but loads `directory` instead (its label still changes): the failure the
     probe cannot see in bf16, and what vLLM's CPU build did to a tied output layer."""
-    post = sync.post
+    post = reload.post
 
     def stale(http, url, path, **kwargs):
         body = kwargs.get("json") or {}
@@ -46,7 +46,7 @@ def keep_serving(monkeypatch, directory) -> None:
             kwargs = kwargs | {"json": {**body, "kwargs": {"weights_path": str(directory)}}}
         return post(http, url, path, **kwargs)
 
-    monkeypatch.setattr(sync, "post", stale)
+    monkeypatch.setattr(reload, "post", stale)
 
 
 def moved(source, destination, names, step: float = 3e-6):
@@ -78,11 +78,11 @@ def test_the_fingerprint_sees_one_entry_and_names_the_first_weight_in_the_server
 
 def test_a_reload_that_keeps_the_old_weights_stops_naming_the_server(server, tmp_path, monkeypatch):
     url, served = server
-    sync.reload_weights([url], served, None, "default")  # the same weights: nothing to say
+    reload.reload_weights([url], served, None, "default")  # the same weights: nothing to say
     step = moved(served, tmp_path / "step_1", load_file(served / "model.safetensors"))
     keep_serving(monkeypatch, served)
     with pytest.raises(UserError) as stopped:
-        sync.reload_weights([url], step, None, "step_1")
+        reload.reload_weights([url], step, None, "step_1")
     message = str(stopped.value)
     assert message.startswith(
         f"the inference server {inference.root_url(url)} does not compute with the weights it loaded from "
@@ -99,7 +99,7 @@ def test_a_single_changed_weight_is_found_by_name(server, tmp_path, monkeypatch)
     with pytest.raises(
         UserError, match=r"first differing weight is model\.layers\.1\.mlp\.down_proj\.weight "
     ):
-        sync.reload_weights([url], step, None, "step_1")
+        reload.reload_weights([url], step, None, "step_1")
 
 
 def bf16_run(model, out, url, steps: int):
@@ -141,12 +141,12 @@ def test_a_bf16_run_at_lr_3e_6_passes_and_stops_on_a_stale_server_the_probe_pass
     before = load_file(out / "weights" / "step_0" / "model.safetensors")
     after = load_file(step / "model.safetensors")
     assert any(not torch.equal(before[name], after[name]) for name in after)
-    prompt = load_tokenizer(str(tiny_dir)).encode(sync.PROBE_TEXT, add_special_tokens=False)
-    answer = sync.probe(url, inference.served_model(url), prompt, None)
+    prompt = load_tokenizer(str(tiny_dir)).encode(probing.PROBE_TEXT, add_special_tokens=False)
+    answer = probing.probe(url, inference.served_model(url), prompt, None)
     trainer = AutoModelForCausalLM.from_pretrained(step, dtype=torch.bfloat16).eval()
     use_chunked_head(trainer)
-    scored = sync.trainer_logprobs(trainer, contextlib.nullcontext, prompt, answer.completion_ids)
-    difference = sync.compare(
-        answer, scored, answer.label, sync.BF16_PROBE_TOLERANCE, f"after step {stale[1]}"
+    scored = probing.trainer_logprobs(trainer, contextlib.nullcontext, prompt, answer.completion_ids)
+    difference = probing.compare(
+        answer, scored, answer.label, probing.BF16_PROBE_TOLERANCE, f"after step {stale[1]}"
     )
     print(f"the probe's mean |logprob difference| from a stale server: {difference:.3g}")

@@ -138,7 +138,7 @@ def test_on_policy_ratio_is_one_over_the_kept_sets_at_the_qwen_shape(dtype, kept
 def test_on_policy_ratio_is_one_over_recomputed_sets_against_vllm(
     vllm_server, trained_tiny, tmp_path, capsys
 ):
-    from lib import sync
+    from lib import reload
 
     # vLLM's CPU build cannot serve kept sets: an attached server gets them recomputed (auto).
     args = ["@", str(ROOT / "configs/tiny/rl.toml"), "--model.name", str(trained_tiny)]
@@ -147,7 +147,7 @@ def test_on_policy_ratio_is_one_over_recomputed_sets_against_vllm(
     try:
         result = rl.main(parse(rl.Config, [*args, "--sampling.max-tokens", "40", *ON_POLICY]))
     finally:  # the session's server goes back to the weights it serves (conftest.py)
-        sync.reload_weights([vllm_server.url], trained_tiny, None, "default")
+        reload.reload_weights([vllm_server.url], trained_tiny, None, "default")
     assert "each token's kept set is recomputed by the trainer" in capsys.readouterr().out
     for metrics in trained_steps(result):
         assert abs(metrics["train/importance_ratio"] - 1) < 1e-3, metrics
@@ -388,10 +388,10 @@ def test_recomputed_sets_are_the_ones_vllm_sampled_from(vllm_server, trained_tin
     import httpx
     from transformers import AutoModelForCausalLM
 
-    from lib import inference, sync
+    from lib import inference, reload
     from lib.model import load_tokenizer
 
-    sync.reload_weights([vllm_server.url], trained_tiny, None, "default")  # whatever ran before
+    reload.reload_weights([vllm_server.url], trained_tiny, None, "default")  # whatever ran before
     tokenizer = load_tokenizer(str(trained_tiny))
     model = AutoModelForCausalLM.from_pretrained(trained_tiny, dtype=torch.float32).eval()
     root = inference.root_url(vllm_server.url)

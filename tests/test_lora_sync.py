@@ -19,7 +19,7 @@ import torch
 from conftest import ROOT, load_script
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lib import inference, sync
+from lib import inference, probing, reload
 from lib.config import UserError, parse
 from lib.head import use_chunked_head
 
@@ -46,7 +46,7 @@ def lora_server(request, trained_tiny, tmp_path_factory):
         url = request.getfixturevalue("vllm_server").url
         # A LoRA run loads only its adapter: the base weights must be trained_tiny's, whatever an earlier
         # test loaded into the shared server.
-        sync.reload_weights([url], trained_tiny, None, "default")
+        reload.reload_weights([url], trained_tiny, None, "default")
         yield url
         return
     root = tmp_path_factory.getbasetemp()
@@ -67,7 +67,7 @@ def test_three_lora_steps_serve_the_trainers_adapter_not_the_base_model(
     # Each publish: what the server sampled and scored, the trainer's logprobs of those tokens, and the
     # base model's (the adapter switched off in the trainer).
     published = []
-    score = sync.trainer_logprobs
+    score = probing.trainer_logprobs
 
     def trainer_logprobs(model, autocast, prompt, completion, *settings):
         with model.disable_adapter():
@@ -76,14 +76,14 @@ def test_three_lora_steps_serve_the_trainers_adapter_not_the_base_model(
         published.append({"base": base, "trainer": trainer, "tokens": (prompt, completion)})
         return published[-1]["trainer"]
 
-    compare = sync.compare
+    compare = probing.compare
 
     def recorded_compare(probe, trainer, label, tolerance, when):
         published[-1]["served"], published[-1]["label"] = probe.logprobs, label
         return compare(probe, trainer, label, tolerance, when)
 
-    monkeypatch.setattr(sync, "trainer_logprobs", trainer_logprobs)
-    monkeypatch.setattr(sync, "compare", recorded_compare)
+    monkeypatch.setattr(probing, "trainer_logprobs", trainer_logprobs)
+    monkeypatch.setattr(probing, "compare", recorded_compare)
     out = tmp_path / "run"
     # A learning rate that moves the adapter well past the probe's tolerance in one step (0.3 and 1.2 here),
     # and 8 groups a step, so no step ends all flat: at 2e-2 and 4 groups one machine saw step 3 train on
@@ -157,9 +157,9 @@ def test_a_resume_after_kill_9_serves_the_checkpoints_adapter(lora_server, train
     base = AutoModelForCausalLM.from_pretrained(trained_tiny, dtype=torch.float32)
     use_chunked_head(base)  # the trainer scores tokens through it (lib/head.py)
     step_3 = PeftModel.from_pretrained(base, out / "weights" / "step_3").eval()
-    prompt = rl_tokenizer(trained_tiny).encode(sync.PROBE_TEXT, add_special_tokens=False)
-    served = sync.probe(lora_server, inference.ADAPTER_NAME, prompt, None)
-    checkpointed = sync.trainer_logprobs(step_3, contextlib.nullcontext, prompt, served.completion_ids)
+    prompt = rl_tokenizer(trained_tiny).encode(probing.PROBE_TEXT, add_special_tokens=False)
+    served = probing.probe(lora_server, inference.ADAPTER_NAME, prompt, None)
+    checkpointed = probing.trainer_logprobs(step_3, contextlib.nullcontext, prompt, served.completion_ids)
     assert mean_difference(served.logprobs, checkpointed) >= 10 * TOLERANCE
 
     # The resumed run loads the checkpoint's adapter first: a server left on the newer one fails its probe.
@@ -170,7 +170,7 @@ def test_a_resume_after_kill_9_serves_the_checkpoints_adapter(lora_server, train
     assert "(step 3)" in resumed.stdout
     differences = scalars(out, "sync/probe_logprob_difference")
     assert sorted(differences) == [1, 2, 3, 4, 5, 6] and max(differences.values()) < TOLERANCE, differences
-    served = sync.probe(lora_server, inference.ADAPTER_NAME, prompt, None)
+    served = probing.probe(lora_server, inference.ADAPTER_NAME, prompt, None)
     assert served.label == "step_6"
 
 

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import torch
 
-from lib import inference, sync
+from lib import inference, reload
 
 PROMPT = [10 + (7 * i) % 80 for i in range(200)]
 KEPT_TOKENS = 1200
@@ -36,17 +36,17 @@ def server(request, tmp_path_factory):
     new = write_tiny(root / "new", TinyConfig(seed=1))
     if request.param == "vllm":
         vllm_server, old = request.getfixturevalue("vllm_server"), request.getfixturevalue("trained_tiny")
-        sync.reload_weights([vllm_server.url], old, None, "old")
+        reload.reload_weights([vllm_server.url], old, None, "old")
         yield vllm_server.url, old, new
         # The shared server's other users expect trained_tiny under its first label.
-        sync.reload_weights([vllm_server.url], old, None, "default")
+        reload.reload_weights([vllm_server.url], old, None, "default")
         return
     old = shutil.copytree(request.getfixturevalue("tiny_dir"), root / "old")
     extra = ["--model.dtype", "float32", "--max-model-len", "2048"]
     with inference.running_server(
         str(old), engine="torch", weights_root=root, log_path=root / "serve.log", extra_args=extra
     ) as builtin:
-        sync.reload_weights([builtin.url], old, None, "old")
+        reload.reload_weights([builtin.url], old, None, "old")
         yield builtin.url, old, new
 
 
@@ -78,8 +78,8 @@ def generate(url: str, max_tokens: int) -> dict:
     }
 
 
-def kept_across_reload(url: str, reload) -> dict:
-    """A KEPT_TOKENS request in flight while `reload()` runs: its answer."""
+def kept_across_reload(url: str, reloading) -> dict:
+    """A KEPT_TOKENS request in flight while `reloading()` runs: its answer."""
     generate(url, 4)  # a first request may compile or warm up: not while the clock runs
     began = time.perf_counter()
     generate(url, 100)
@@ -88,7 +88,7 @@ def kept_across_reload(url: str, reload) -> dict:
     request = threading.Thread(target=lambda: kept.update(generate(url, KEPT_TOKENS)))
     request.start()
     time.sleep(per_token * KEPT_TOKENS / 3)
-    reload()
+    reloading()
     request.join()
     assert len(kept["spans"]) == 2, f"the request was not in flight at the pause: {kept['spans']}"
     (old, start, split), (new, split_again, end) = kept["spans"]
@@ -99,7 +99,7 @@ def kept_across_reload(url: str, reload) -> dict:
 
 def test_keep_goes_on_under_the_new_weights_and_leaves_no_old_kv(server):
     url, old, new = server
-    kept = kept_across_reload(url, lambda: sync.reload_weights([url], new, None, "new", "keep"))
+    kept = kept_across_reload(url, lambda: reload.reload_weights([url], new, None, "new", "keep"))
     ((_, _, split), _) = kept["spans"]
     tokens, logprobs = kept["token_ids"], kept["logprobs"]
     under_old, under_new = scored(old, tokens), scored(new, tokens)
@@ -109,7 +109,7 @@ def test_keep_goes_on_under_the_new_weights_and_leaves_no_old_kv(server):
     fresh = generate(url, 4)  # the same prompt: vLLM looks its blocks up in the prefix cache
     assert fresh["spans"] == [("new", 0, 4)]
     assert (fresh["logprobs"] - scored(new, fresh["token_ids"])).abs().max() < 1e-3
-    sync.reload_weights([url], old, None, "old")
+    reload.reload_weights([url], old, None, "old")
 
 
 def test_without_a_reset_the_kept_request_goes_on_from_the_old_kv(server):
@@ -130,4 +130,4 @@ def test_without_a_reset_the_kept_request_goes_on_from_the_old_kv(server):
     ((_, _, split), _) = kept["spans"]
     under_new = scored(new, kept["token_ids"])
     assert (kept["logprobs"][split:] - under_new[split:]).abs().max() > 1e-2  # old KV, new weights
-    sync.reload_weights([url], old, None, "old")
+    reload.reload_weights([url], old, None, "old")

@@ -15,7 +15,7 @@ from conftest import ROOT, load_script
 from renderers.qwen3 import Qwen3Renderer
 from safetensors.torch import load_file
 
-from lib import envs, inference, sync
+from lib import envs, inference, reload
 from lib.config import UserError, parse
 from lib.qwen import QwenConfig, write_qwen
 
@@ -77,9 +77,9 @@ def test_a_tied_qwen3_goes_sft_eval_rl_through_vllm_with_the_qwen3_renderer(
 
         # The output layer left unrefreshed, as vLLM's CPU build leaves it without lib/vllm.py's repair: the
         # SFT weights loaded over step 2's, the fingerprint finds it still on step 2's.
-        monkeypatch.setattr(sync, "refresh_tied_output_layer", lambda http, url: None)
+        monkeypatch.setattr(reload, "refresh_tied_output_layer", lambda http, url: None)
         with pytest.raises(UserError, match=r"the first differing weight is lm_head\.weight \(sum"):
-            sync.reload_weights([server.url], warmed, None, "sft")
+            reload.reload_weights([server.url], warmed, None, "sft")
 
     assert envs.renderer_name(str(warmed)) == "qwen3" and rendered_with, "rl.py did not render with qwen3"
     history = result["history"]

@@ -38,9 +38,9 @@ def server(tiny_dir, tmp_path_factory):
 def on_base_weights(url: str, tiny_dir) -> None:
     """Puts the shared server back on the tiny model's weights, as a LoRA run needs: it loads only its
     adapter, on top of whatever the server holds, where a full run reloads every weight first."""
-    from lib import sync
+    from lib import reload
 
-    sync.reload_weights([url], tiny_dir, None, "default")
+    reload.reload_weights([url], tiny_dir, None, "default")
 
 
 def rl_config(model, out, url, *extra):
@@ -585,10 +585,10 @@ def test_at_async_level_one_the_next_step_trains_while_the_servers_reload(
     tiny_dir, server, tmp_path, monkeypatch
 ):
     import lib.head
-    from lib import sync
+    from lib import reload
 
     reloads, trained = {}, []
-    reload_weights, score = sync.reload_weights, lib.head.next_token_scores
+    reload_weights, score = reload.reload_weights, lib.head.next_token_scores
 
     def slow_reload(urls, directory, api_key, label, **kwargs):
         began = time.monotonic()
@@ -600,7 +600,7 @@ def test_at_async_level_one_the_next_step_trains_while_the_servers_reload(
         trained.append(time.monotonic())
         return score(*args, **kwargs)
 
-    monkeypatch.setattr(sync, "reload_weights", slow_reload)
+    monkeypatch.setattr(reload, "reload_weights", slow_reload)
     monkeypatch.setattr(lib.head, "next_token_scores", timed_scores)
     result = rl.main(
         rl_config(tiny_dir, tmp_path / "run", server.url, "--steps", "4", "--max-async-level", "1")
@@ -618,25 +618,25 @@ def test_at_async_level_one_the_next_step_trains_while_the_servers_reload(
 
 
 def test_a_reload_that_fails_beside_training_still_stops_the_run(tiny_dir, server, tmp_path, monkeypatch):
-    from lib import sync
+    from lib import reload
 
-    reload_weights = sync.reload_weights
+    reload_weights = reload.reload_weights
 
     def failing_reload(urls, directory, api_key, label, **kwargs):
         if label == "step_2":
             raise UserError(f"the inference server {urls[0]} could not load {directory}")
         reload_weights(urls, directory, api_key, label, **kwargs)
 
-    monkeypatch.setattr(sync, "reload_weights", failing_reload)
+    monkeypatch.setattr(reload, "reload_weights", failing_reload)
     with pytest.raises(UserError, match="could not load .*step_2"):
         rl.main(rl_config(tiny_dir, tmp_path / "run", server.url, "--steps", "4", "--max-async-level", "1"))
 
 
 def test_one_reload_at_a_time(monkeypatch, tiny_dir):
-    from lib import sync
+    from lib import probing, reload, sync
 
-    monkeypatch.setattr(sync, "reload_weights", lambda *args, **kwargs: time.sleep(0.5))
-    monkeypatch.setattr(sync, "probe", lambda *args: sync.Probe("http://x/v1", [], [], None))
+    monkeypatch.setattr(reload, "reload_weights", lambda *args, **kwargs: time.sleep(0.5))
+    monkeypatch.setattr(probing, "probe", lambda *args: probing.Probe("http://x/v1", [], [], None))
     loaded = []
     reloader = sync.Reloader(
         sync.Servers(["http://x/v1"], ["m"]), load_tokenizer(str(tiny_dir)), loaded.append

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from conftest import ROOT, load_script
 
-from lib import inference, sync
+from lib import inference, probing, reload, sync
 from lib.config import UserError, parse
 
 rl = load_script("rl")
@@ -29,7 +29,7 @@ def test_a_failed_reload_resumes_the_server_and_names_it_and_the_directory(serve
     running, root = server
     outside = shutil.copytree(tiny_dir, tmp_path / "weights" / "step_3")  # complete, but outside the root
     with pytest.raises(ValueError) as failed:
-        sync.reload_weights([running.url], outside, None, "step_3")
+        reload.reload_weights([running.url], outside, None, "step_3")
     sentence = str(failed.value)
     assert inference.root_url(running.url) in sentence and str(outside) in sentence and "403" in sentence
     assert "the server's --weights-root must contain the run directory" in sentence
@@ -51,19 +51,19 @@ def test_a_pause_that_times_out_still_resumes_the_server(server, tiny_dir, monke
     long = threading.Thread(target=lambda: httpx.post(generate_url, json=body, timeout=300))
     long.start()
     time.sleep(0.5)  # the completion is decoding: 2000 tokens outlast the 1 s the pause is given
-    post = sync.post
+    post = reload.post
 
     def impatient_pause(http, url, path, **kwargs):
         return post(http, url, path, **(kwargs | {"timeout": 1.0} if path.startswith("/pause") else kwargs))
 
-    monkeypatch.setattr(sync, "post", impatient_pause)
+    monkeypatch.setattr(reload, "post", impatient_pause)
     with pytest.raises(ValueError, match=r"did not answer /pause\?mode=wait within 1 s"):
-        sync.reload_weights([running.url], weights, None, "step_5")
+        reload.reload_weights([running.url], weights, None, "step_5")
     monkeypatch.undo()
     assert httpx.get(inference.root_url(running.url) + "/is_paused").json() == {"is_paused": False}
     long.join()
-    probe = sync.probe(running.url, inference.served_model(running.url), [5, 6, 7, 8], None)
-    assert len(probe.completion_ids) == sync.PROBE_TOKENS  # and it answers
+    probe = probing.probe(running.url, inference.served_model(running.url), [5, 6, 7, 8], None)
+    assert len(probe.completion_ids) == probing.PROBE_TOKENS  # and it answers
 
 
 def test_a_resume_whose_connection_drops_is_sent_again(server, tiny_dir, tmp_path, monkeypatch):
@@ -72,7 +72,7 @@ def test_a_resume_whose_connection_drops_is_sent_again(server, tiny_dir, tmp_pat
     paused that way, and the next request waited forever. A failed /resume is sent again on a new connection."""
     running, root = server
     outside = shutil.copytree(tiny_dir, tmp_path / "weights" / "step_9")  # refused: outside the root
-    post, dropped = sync.post, []
+    post, dropped = reload.post, []
 
     def dropping_the_first_resume(http, url, path, **kwargs):
         if path == "/resume" and not dropped:
@@ -82,9 +82,9 @@ def test_a_resume_whose_connection_drops_is_sent_again(server, tiny_dir, tmp_pat
             )
         return post(http, url, path, **kwargs)
 
-    monkeypatch.setattr(sync, "post", dropping_the_first_resume)
+    monkeypatch.setattr(reload, "post", dropping_the_first_resume)
     with pytest.raises(ValueError, match="403"):
-        sync.reload_weights([running.url], outside, None, "step_9")
+        reload.reload_weights([running.url], outside, None, "step_9")
     monkeypatch.undo()
     assert dropped == ["/resume"]
     assert httpx.get(inference.root_url(running.url) + "/is_paused").json() == {"is_paused": False}
@@ -93,22 +93,24 @@ def test_a_resume_whose_connection_drops_is_sent_again(server, tiny_dir, tmp_pat
 def test_a_reload_labels_the_weights_and_the_probe_reports_the_label(server, tiny_dir):
     running, root = server
     weights = shutil.copytree(tiny_dir, root / "weights" / "step_7", dirs_exist_ok=True)
-    sync.reload_weights([running.url], weights, None, "step_7")
-    probe = sync.probe(running.url, inference.served_model(running.url), [5, 6, 7, 8], None)
-    assert probe.label == "step_7" and len(probe.completion_ids) == len(probe.logprobs) == sync.PROBE_TOKENS
+    reload.reload_weights([running.url], weights, None, "step_7")
+    probe = probing.probe(running.url, inference.served_model(running.url), [5, 6, 7, 8], None)
+    assert (
+        probe.label == "step_7" and len(probe.completion_ids) == len(probe.logprobs) == probing.PROBE_TOKENS
+    )
 
 
 def test_the_probe_stops_a_run_on_other_weights_or_a_disagreeing_server():
-    probe = sync.Probe("http://10.1.2.3:8000/v1", [1, 2], [-1.0, -2.0], "step_4")
-    assert sync.compare(probe, [-1.0, -2.0], "step_4", 0.02, "after step 4") == 0.0
+    probe = probing.Probe("http://10.1.2.3:8000/v1", [1, 2], [-1.0, -2.0], "step_4")
+    assert probing.compare(probe, [-1.0, -2.0], "step_4", 0.02, "after step 4") == 0.0
     with pytest.raises(
         ValueError, match=r"http://10.1.2.3:8000 serves weights 'step_4' after step 5, not 'step_5'"
     ):
-        sync.compare(probe, [-1.0, -2.0], "step_5", 0.02, "after step 5")
+        probing.compare(probe, [-1.0, -2.0], "step_5", 0.02, "after step 5")
     with pytest.raises(
         ValueError, match=r"disagrees with the trainer at the start of the run: mean .* 0\.5 >"
     ):
-        sync.compare(probe, [-1.5, -2.5], "step_4", 0.02, "at the start of the run")
+        probing.compare(probe, [-1.5, -2.5], "step_4", 0.02, "at the start of the run")
 
 
 def test_a_dead_or_silent_server_is_one_sentence(tmp_path):
@@ -116,7 +118,7 @@ def test_a_dead_or_silent_server_is_one_sentence(tmp_path):
     with pytest.raises(ValueError, match="is not reachable .*did it stop"):
         inference.check_servers([gone])
     with httpx.Client() as http, pytest.raises(ValueError, match="is not reachable"):
-        sync.post(http, gone, "/pause?mode=wait")
+        reload.post(http, gone, "/pause?mode=wait")
 
 
 def test_a_server_with_a_longer_context_is_asked_for_rollouts_that_fit_a_training_row(
@@ -170,11 +172,9 @@ def test_a_tied_model_has_its_output_layer_refreshed_after_each_reload(tied, tmp
         return httpx.Response(200, json={"success": True})
 
     client = httpx.Client
-    monkeypatch.setattr(
-        sync.httpx, "Client", lambda **kw: client(transport=httpx.MockTransport(answer), **kw)
-    )
+    monkeypatch.setattr(httpx, "Client", lambda **kw: client(transport=httpx.MockTransport(answer), **kw))
     if not tied:
-        sync.reload_weights(["http://server:1/v1"], weights, None, "step_1")
+        reload.reload_weights(["http://server:1/v1"], weights, None, "step_1")
         assert ("/collective_rpc", "reload_weights") in calls and (
             "/collective_rpc",
             "refresh_tied_output_layer",
@@ -182,7 +182,7 @@ def test_a_tied_model_has_its_output_layer_refreshed_after_each_reload(tied, tmp
         assert ("/collective_rpc", "weight_fingerprint") in calls
         return
     with pytest.raises(UserError) as stopped:
-        sync.reload_weights(["http://server:1/v1"], weights, None, "step_1")
+        reload.reload_weights(["http://server:1/v1"], weights, None, "step_1")
     assert "--worker-extension-cls lib.vllm.ServedWeights" in str(stopped.value) and "\n" not in str(
         stopped.value
     )
@@ -211,9 +211,9 @@ def test_publish_writes_the_weights_has_the_server_load_them_and_probes_it(serve
         with torch.no_grad():
             model.get_output_embeddings().weight.mul_(0.5)  # the next step moves the weights
     # The trainer moved on without a publish: the same check stops a server left on step 8.
-    prompt = tokenizer.encode(sync.PROBE_TEXT, add_special_tokens=False)
-    answer = sync.probe(running.url, servers.names[0], prompt, None)
+    prompt = tokenizer.encode(probing.PROBE_TEXT, add_special_tokens=False)
+    answer = probing.probe(running.url, servers.names[0], prompt, None)
     assert answer.label == "step_8"
-    scored = sync.trainer_logprobs(model, autocast, prompt, answer.completion_ids)
+    scored = probing.trainer_logprobs(model, autocast, prompt, answer.completion_ids)
     with pytest.raises(UserError, match="disagrees with the trainer after step 9"):
-        sync.compare(answer, scored, "step_8", 1e-3, "after step 9")
+        probing.compare(answer, scored, "step_8", 1e-3, "after step 9")

@@ -102,7 +102,7 @@ def test_tool_round_trip_scores_one_and_tool_results_carry_no_loss(train, script
 def engine_playing_tool_caller(request, tool_caller, tmp_path_factory):
     """A real engine serving tool_caller as "policy": the builtin one, or the shared vLLM server with those
     weights loaded (trained_tiny goes back after)."""
-    from lib import inference, sync
+    from lib import inference, reload
 
     if request.param == "torch":
         log = tmp_path_factory.mktemp("builtin") / "serve.log"
@@ -113,11 +113,11 @@ def engine_playing_tool_caller(request, tool_caller, tmp_path_factory):
             yield server
         return
     server = request.getfixturevalue("vllm_server")
-    sync.reload_weights([server.url], tool_caller, None, "tool-caller")
+    reload.reload_weights([server.url], tool_caller, None, "tool-caller")
     try:
         yield server
     finally:
-        sync.reload_weights([server.url], request.getfixturevalue("trained_tiny"), None, "default")
+        reload.reload_weights([server.url], request.getfixturevalue("trained_tiny"), None, "default")
 
 
 @pytest.mark.parametrize("train", [False, True])

@@ -34,10 +34,10 @@ def builtin_server(trained_tiny, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def servers(vllm_server, builtin_server, trained_tiny):
-    from lib import sync
+    from lib import reload
 
     # The shared vLLM server may hold another test's weights: both engines start from trained_tiny.
-    sync.reload_weights([vllm_server.url], trained_tiny, None, "default")
+    reload.reload_weights([vllm_server.url], trained_tiny, None, "default")
     return {"vllm": vllm_server, "builtin": builtin_server}
 
 

@@ -83,12 +83,12 @@ def test_rl_starts_its_own_vllm_survives_kill_9_and_resumes(vllm_installed, trai
 def test_an_attached_vllm_server_gets_the_runs_starting_weights(
     vllm_server, tiny_dir, trained_tiny, tmp_path
 ):
-    from lib import sync
+    from lib import reload
 
     # Leave the server on other weights (the untrained tiny model), as an earlier run would.
     other = tmp_path / "other"
     other.symlink_to(tiny_dir, target_is_directory=True)
-    sync.reload_weights([vllm_server.url], other, None, "other")
+    reload.reload_weights([vllm_server.url], other, None, "other")
     args = run_args(trained_tiny, tmp_path / "run", "--inference.urls", vllm_server.url, "--steps", "1")
     result = rl.main(parse(rl.Config, args))
     metrics = result["history"][0]
@@ -153,7 +153,7 @@ def test_three_turn_training_tokens_are_the_ones_vllm_echoed(vllm_server, traine
 
 
 def test_a_lora_step_reaches_vllm_as_merged_weights(vllm_server, trained_tiny, tmp_path):
-    from lib import sync
+    from lib import probing
 
     args = run_args(trained_tiny, tmp_path / "run", "--inference.urls", vllm_server.url, "--steps", "1")
     args += ["--lora.rank", "4", "--optim.lr", "5e-2", "--inference.lora-sync", "merged"]
@@ -163,11 +163,11 @@ def test_a_lora_step_reaches_vllm_as_merged_weights(vllm_server, trained_tiny, t
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(trained_tiny)
-    prompt = tokenizer.encode(sync.PROBE_TEXT, add_special_tokens=False)
-    served = sync.probe(vllm_server.url, inference.served_model(vllm_server.url), prompt, None)
+    prompt = tokenizer.encode(probing.PROBE_TEXT, add_special_tokens=False)
+    served = probing.probe(vllm_server.url, inference.served_model(vllm_server.url), prompt, None)
     base = AutoModelForCausalLM.from_pretrained(trained_tiny, dtype=torch.float32).eval()
     ids = torch.tensor([prompt + served.completion_ids])
     with torch.no_grad():
-        logits = base(ids).logits[0, :-1] / sync.PROBE_TEMPERATURE
+        logits = base(ids).logits[0, :-1] / probing.PROBE_TEMPERATURE
     base_logprobs = logits.log_softmax(-1).gather(-1, ids[0, 1:, None])[len(prompt) - 1 :, 0]
     assert max(abs(a - b) for a, b in zip(served.logprobs, base_logprobs.tolist())) > 1e-3
