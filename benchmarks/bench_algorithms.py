@@ -3,10 +3,10 @@
 Each recipe (configs/recipes/{dppo,grpo,dr_grpo,dapo,gspo,cispo}.toml, dppo being rl.py's default), with and
 without --loss.kl-coef, trains the same SFT-warmed tiny model on reverse_text with the tiny preset under it
 (the demo's RL: 8 prompts x 8 rollouts a step, temperature 1, lr 3e-4; its own loss, GSPO's, is replaced by
-the recipe's), the same number of steps, once per seed. Each run
-evaluates the same held-out tasks (the taskset's last --eval-examples, never trained on) at step 0, every
---eval-every steps and at the end (eval/reward: sampled at temperature 1). Runs go one after the other,
-never side by side (2 cores), and a finished run is kept: rerunning the command goes on where it stopped.
+the recipe's), the same number of steps, once per seed. Each run evaluates the same held-out tasks (the
+taskset's last --eval-examples, never trained on) at step 0, every --eval-every steps and at the end
+(eval/reward: sampled at temperature 1). Runs go one after the other, never side by side (2 cores), and a
+finished run is kept: rerunning the command goes on where it stopped.
 
 The report (out/table.md, out/results.json, out/algorithms.png): per configuration, the final held-out reward
 as the mean over seeds +- its standard error, the gain over step 0, the minutes, and the mismatch and
@@ -20,7 +20,7 @@ rate ending at 30% of its peak).
 Usage:
     python benchmarks/bench_algorithms.py                                        # ~12 x 3 runs of 250 steps
     python benchmarks/bench_algorithms.py --model outputs/demo/sft/weights/step_1200 --recipes dppo grpo
-    python benchmarks/bench_algorithms.py --configs dppo gspo cispo+kl --eval-every 125 --eval-examples 200
+    python benchmarks/bench_algorithms.py --configs dppo gspo cispo+kl --eval-every 50 --eval-examples 128
     python benchmarks/bench_algorithms.py --steps 2 --seeds 1 --sft-steps 10 --eval-examples 4 --eval-every 1
 """
 
@@ -68,8 +68,8 @@ def train(args, model: Path, recipe: str, kl_coef: float, seed: int) -> dict:
     run_dir = args.out / "runs" / f"{recipe}{'+kl' if kl_coef else ''}" / f"seed_{seed}"
     done = run_dir / "tb"
     if not (done.is_dir() and any(s == args.steps for s, _, _ in scalars(run_dir).get("eval/reward", []))):
-        run(["scripts/rl.py", "@", "configs/tiny/rl.toml", "@", f"configs/recipes/{recipe}.toml", "--model.name", str(model),
-             "--steps", str(args.steps), "--seed", str(seed), "--loss.kl-coef", str(kl_coef),
+        run(["scripts/rl.py", "@", "configs/tiny/rl.toml", "@", f"configs/recipes/{recipe}.toml",
+             "--model.name", str(model), "--steps", str(args.steps), "--seed", str(seed), "--loss.kl-coef", str(kl_coef),
              "--eval.every", str(args.eval_every), "--eval.num-examples", str(args.eval_examples),
              "--checkpoint-every", str(args.steps), "--output-dir", str(run_dir)])  # fmt: skip
     tags = scalars(run_dir)
