@@ -1,6 +1,7 @@
 """The policy loss: importance-sampled, over whole rollouts in packed rows, normalised over the whole step."""
 
 import dataclasses
+import math
 from typing import Literal
 
 from lib.config import UserError
@@ -33,12 +34,14 @@ class LossConfig:
     max_tokens is per turn, so a multi-turn rollout may hold more than its share (arXiv:2503.20783)."""
     mismatch_correction: Literal["none", "truncate", "mask"] = "none"
     """Trainer/inference mismatch, for a token whose weight w = p_train / p_inference is above mismatch_cap.
-    truncate: its loss is scaled by cap / w, a weight of min(w, cap) in effect (TIS, Yao et al. 2025);
-    mask: it carries no loss (MIS). Logged as mismatch_truncated / mismatch_masked.
-    reinforce, which weighs by no ratio, is weighted by min(w, cap), or by w and 0 above the cap."""
+    truncate (TIS, Yao et al. 2025): the variant's own weight with w replaced by min(w, cap), e.g. cispo's
+    min(w, cap, 1 + clip_high); w is the variant's ratio, so mismatch_level must equal ratio_level;
+    mask (MIS): it carries no loss. Logged as mismatch_truncated / mismatch_masked.
+    reinforce, which weighs by no ratio, is weighted by min(w, cap), or by w and 0 above the cap (either level)."""
     mismatch_level: Literal["token", "sequence"] = "token"
     """mismatch_correction's w. token: each token's own;
-    sequence: its rollout's, exp(sum of the rollout's log ratios), on all its tokens."""
+    sequence: its rollout's, exp(sum of the rollout's log ratios), on all its tokens (truncated, GSPO's
+    exp(mean log ratio) becomes min(w, cap) ** (1 / the rollout's loss tokens))."""
     mismatch_cap: float = 3.0
     """The cap of mismatch_correction (TRL's default)."""
     mask_truncated: bool = False
@@ -53,8 +56,9 @@ class LossConfig:
     entropy_coef: float = 0.0
     """Weight of an entropy bonus (0 = off): minus this times the entropy of each loss token's distribution."""
     import_path: str = ""
-    """package.module:function, a loss to use instead of lib/loss.py's policy_loss.
-    Called with the same arguments (per-token tensors, rollout index, step counts); returns (loss, metrics)."""
+    """package.module:function, a loss to use instead of lib/loss.py's policy_loss, imported from the Python path
+    or the working directory. Called with the same arguments (per-token tensors, rollout index, step counts);
+    returns (loss, metrics)."""
 
     def __post_init__(self):
         if not 0 < self.mask_threshold <= 1:
@@ -65,12 +69,21 @@ class LossConfig:
             raise UserError("loss.clip_low must be below 1 (the ratio's lower clip is 1 - clip_low).")
         if self.ratio_level == "sequence" and self.variant not in ("ppo", "cispo"):
             raise UserError("loss.ratio_level sequence applies to loss.variant ppo (GSPO) or cispo only.")
+        # Truncation replaces the variant's ratio by the capped w: both must be of the same tokens (or rollout).
+        truncated = self.mismatch_correction == "truncate" and self.variant != "reinforce"
+        if truncated and self.mismatch_level != self.ratio_level:
+            raise UserError(
+                "loss.mismatch_correction truncate caps the variant's own ratio, so loss.mismatch_level must "
+                f"equal loss.ratio_level ({self.ratio_level} here; reinforce takes either level)."
+            )
         if self.mismatch_cap < 1:
             raise UserError("loss.mismatch_cap must be >= 1 (a lower cap would correct on-policy tokens).")
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise UserError("loss.kl_coef and loss.entropy_coef must be >= 0.")
         if self.import_path and self.import_path.count(":") != 1:
             raise UserError("loss.import_path must read package.module:function.")
+        if self.import_path:
+            import_loss(self.import_path)  # a path that names no function fails here, before any model loads
 
 
 # Everything below runs in the trainer; torch is imported lazily so `--help` stays fast.
@@ -196,12 +209,38 @@ def policy_loss(
         """Each token's rollout's number of loss tokens, (B, T) (at least 1, padding included)."""
         return rollout_sums(loss_mask.to(logp.dtype), rollout_index, loss_mask).clamp(min=1)
 
+    # Trainer/inference mismatch correction: w is the importance weight of the token, or of its whole rollout
+    # (the product of its tokens' ratios, the sequence's likelihood ratio), both detached.
+    excess = 0.0
+    if config.mismatch_correction != "none":
+        if config.mismatch_level == "token":
+            log_weight = log_ratio.detach()  # (B, T)
+        elif config.mismatch_level == "sequence":
+            log_weight = rollout_sums(log_ratio.detach(), rollout_index, loss_mask)  # (B, T)
+        else:
+            raise UserError(
+                f"unknown loss.mismatch_level {config.mismatch_level!r} (choose token or sequence)."
+            )
+        weight = torch.exp(log_weight)  # (B, T)
+        over_cap = loss_mask & (weight > config.mismatch_cap)  # (B, T)
+        if config.mismatch_correction == "truncate":
+            # Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you
+            # off-policy RL training"): the variant's own weight with w replaced by min(w, cap). w is the
+            # variant's ratio (LossConfig refuses mixed levels), so the log ratios it sees are lowered by
+            # log(w / cap) above the cap, detached: the ratio's value and its gradient's weight are then the
+            # capped ones, and clips (ppo's, cispo's) act on the capped ratio; dppo's trust-region mask and its
+            # log-ratio penalty keep the true ones. Scaling the loss by cap / w instead would shrink cispo's
+            # already clipped weight: min(w, 1 + clip_high) * cap / w.
+            excess = torch.where(over_cap, log_weight - math.log(config.mismatch_cap), 0.0)  # (B, T)
+
     if config.ratio_level == "token":
-        ratio = token_ratio  # (B, T)
+        ratio = torch.exp(log_ratio - excess)  # (B, T)
     elif config.ratio_level == "sequence":
         # GSPO: s_i = exp((1 / |y_i|) sum_t log ratio_t), the same on every token of rollout i, with the gradient
-        # s_i / |y_i| * grad logp_t on each (Zheng et al. 2025, arXiv:2507.18071).
-        ratio = torch.exp(rollout_sums(log_ratio, rollout_index, loss_mask) / rollout_tokens())  # (B, T)
+        # s_i / |y_i| * grad logp_t on each (Zheng et al. 2025, arXiv:2507.18071). Truncated, the sum is
+        # lowered to log min(w_i, cap), with w_i = exp(sum_t log ratio_t).
+        log_sum = rollout_sums(log_ratio, rollout_index, loss_mask) - excess  # (B, T)
+        ratio = torch.exp(log_sum / rollout_tokens())  # (B, T)
     else:
         raise UserError(f"unknown loss.ratio_level {config.ratio_level!r} (choose token or sequence).")
 
@@ -244,28 +283,12 @@ def policy_loss(
     else:
         raise UserError(f"unknown loss.variant {config.variant!r} (choose dppo, ppo, cispo or reinforce).")
 
-    # Trainer/inference mismatch correction: w is the importance weight of the token, or of its whole rollout
-    # (the product of its tokens' ratios, the sequence's likelihood ratio), both detached.
-    if config.mismatch_correction != "none":
-        if config.mismatch_level == "token":
-            weight = token_ratio.detach()  # (B, T)
-        elif config.mismatch_level == "sequence":
-            weight = torch.exp(rollout_sums(log_ratio.detach(), rollout_index, loss_mask))  # (B, T)
-        else:
-            raise UserError(
-                f"unknown loss.mismatch_level {config.mismatch_level!r} (choose token or sequence)."
-            )
-        over_cap = loss_mask & (weight > config.mismatch_cap)  # (B, T)
     if config.mismatch_correction == "none":
         pass
     elif config.mismatch_correction == "truncate":
-        # Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you
-        # off-policy RL training"): the weight in effect is min(w, cap). The other variants' losses already
-        # scale with the ratio, so theirs is scaled by cap / w above the cap; reinforce's takes min(w, cap).
+        # The other variants weighed by the capped ratio above; reinforce, which weighs by none, takes min(w, cap).
         if config.variant == "reinforce":
             per_token = per_token * weight.clamp(max=config.mismatch_cap)  # (B, T)
-        else:
-            per_token = per_token * torch.where(over_cap, config.mismatch_cap / weight, 1.0)  # (B, T)
     elif config.mismatch_correction == "mask":
         # Masked importance sampling: a token (a rollout, at sequence level) whose weight is above the cap
         # carries no loss (TRL's token_mask / sequence_mask); reinforce's others are weighted by w.
@@ -344,15 +367,27 @@ def policy_loss(
 def loss_function(config: LossConfig):
     """policy_loss, or the function that config.import_path names (package.module:function): a custom loss takes
     policy_loss's arguments, by the same names, and returns (loss, metrics) the same way."""
-    import importlib
+    return import_loss(config.import_path) if config.import_path else policy_loss
 
-    if not config.import_path:
-        return policy_loss
-    module_name, _, function_name = config.import_path.partition(":")
+
+def import_loss(import_path: str):
+    """The function `import_path` (package.module:function) names, from the Python path or the working directory."""
+    import importlib
+    import os
+    import sys
+
+    module_name, _, function_name = import_path.partition(":")
+    # `python scripts/rl.py` puts scripts/ on the path, not the directory it runs in. Appended, not prepended:
+    # a file there never hides an installed package from the imports that come later.
+    here = os.getcwd()
+    if here not in sys.path:
+        sys.path.append(here)
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
-        raise UserError(f"loss.import_path: cannot import {module_name} ({error}).") from None
+        raise UserError(
+            f"loss.import_path: cannot import {module_name} from the Python path or {here} ({error})."
+        ) from None
     if not callable(getattr(module, function_name, None)):
         raise UserError(f"loss.import_path: {module_name} has no function {function_name}.")
     return getattr(module, function_name)

@@ -1,10 +1,15 @@
 """Policy loss: each variant on hand-computed values, gradient direction, step-wide normalisation, masking."""
 
+import itertools
 import math
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
+from conftest import ROOT
 
 from lib.config import UserError
 from lib.loss import LossConfig, entropy, policy_loss, token_logp
@@ -329,14 +334,132 @@ def test_sequence_mismatch_correction_hand_computed():
         assert metrics[name].item() == pytest.approx(2 / 4)  # rollout 0's tokens, not rollout 1's w = 3 token
 
 
+def test_cispo_truncated_weight_is_its_clipped_weight_of_the_capped_ratio():
+    # w = 1, 4, 10 (inference p 0.05), cap 3, clip_high 0.28: CISPO's own weight min(w, 1.28) with w replaced
+    # by min(w, 3) is 1, 1.28, 1.28; never below the clip because w went further past the cap.
+    logp = probs(0.05, 0.2, 0.5).requires_grad_()
+    config = LossConfig(variant="cispo", mismatch_correction="truncate", mismatch_cap=3.0)
+    loss, _ = policy_loss(
+        logp, probs(0.05, 0.05, 0.05), torch.ones(1, 3), torch.ones(1, 3, dtype=torch.bool), 3, config
+    )
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert grad[0].tolist() == pytest.approx([-1 / 3, -1.28 / 3, -1.28 / 3])
+
+
+# Three rollouts in one packed row, a prompt token before each: (advantage, [(p_train, p_inference), ...]).
+# Token ratios 0.9, 1.5, 3.5 | 0.5, 2.5 | 1.2, 0.75, 2.5; rollout products 4.725, 1.25, 2.25.
+MISMATCH_ROLLOUTS = [
+    (1.0, [(0.45, 0.5), (0.3, 0.2), (0.35, 0.1)]),
+    (-1.0, [(0.3, 0.6), (0.75, 0.3)]),
+    (0.5, [(0.3, 0.25), (0.3, 0.4), (0.25, 0.1)]),
+]
+LEVELS = ("token", "sequence")
+
+
+def mismatch_expected(config: LossConfig):
+    """The loss, d loss / d logp of each loss token, and the metrics of MISMATCH_ROLLOUTS, token by token from
+    the formulas as the docs write them (token_mean over the step's 8 loss tokens)."""
+    tokens = [(i, adv, p, q) for i, (adv, pairs) in enumerate(MISMATCH_ROLLOUTS) for p, q in pairs]
+    lengths = [len(pairs) for _, pairs in MISMATCH_ROLLOUTS]
+    rollout_w = [math.prod(p / q for p, q in pairs) for _, pairs in MISMATCH_ROLLOUTS]
+    truncating = config.mismatch_correction == "truncate" and config.variant != "reinforce"
+    cap, high, low = config.mismatch_cap, 1 + config.clip_high, 1 - config.clip_low
+    loss, grads, masked, over = 0.0, [0.0] * len(tokens), 0, 0
+    for t, (i, adv, p, q) in enumerate(tokens):
+        r = p / q
+        w = r if config.mismatch_level == "token" else rollout_w[i]
+        over_cap = config.mismatch_correction != "none" and w > cap
+        over += over_cap
+        # The variant's ratio, with w replaced by min(w, cap) when truncating, and which tokens' logp it moves with.
+        if config.ratio_level == "token":
+            ratio = min(r, cap) if truncating else r
+            moves = {t: ratio}
+        else:
+            ratio = (min(rollout_w[i], cap) if truncating else rollout_w[i]) ** (1 / lengths[i])
+            moves = {u: ratio / lengths[i] for u, token in enumerate(tokens) if token[0] == i}
+        if config.variant == "dppo":
+            moved = p - q  # dppo's trust region: how far the probability moved, toward adv or not
+            delta = config.mask_threshold
+            kept = not ((adv > 0 and moved > delta) or (adv < 0 and moved < -delta))
+            value = -(ratio * adv if kept else 0.0) + config.log_ratio_coef * math.log(r) ** 2
+            token_grads = {t: -(ratio * adv if kept else 0.0) + 2 * config.log_ratio_coef * math.log(r)}
+            masked += not kept
+        elif config.variant == "ppo":
+            clipped = min(max(ratio, low), high)
+            value = -min(ratio * adv, clipped * adv)
+            active = not ((adv > 0 and ratio > high) or (adv < 0 and ratio < low))
+            token_grads = {u: -adv * d if active else 0.0 for u, d in moves.items()}
+            masked += not active
+        elif config.variant == "cispo":
+            value = -min(ratio, high) * adv * math.log(p)
+            token_grads = {t: -min(ratio, high) * adv}
+            masked += ratio > high
+        else:
+            factors = {"none": 1.0, "truncate": min(w, cap), "mask": 0.0 if over_cap else w}
+            factor = factors[config.mismatch_correction]
+            value = -adv * math.log(p) * factor
+            token_grads = {t: -adv * factor}
+        if config.mismatch_correction == "mask" and config.variant != "reinforce" and over_cap:
+            value, token_grads = 0.0, {}
+        loss += value / len(tokens)
+        for u, g in token_grads.items():
+            grads[u] += g / len(tokens)
+    return loss, grads, masked / len(tokens), over / len(tokens)
+
+
+def test_every_mismatch_correction_against_its_formula():
+    """Each variant x correction x ratio level x mismatch level, at a cap above and below ppo/cispo's upper clip:
+    policy_loss against mismatch_expected, or a one-sentence refusal where the levels cannot combine."""
+    row, index = [], []
+    for i, (_, pairs) in enumerate(MISMATCH_ROLLOUTS):
+        row += [(1.0, 1.0)] + pairs  # a prompt token, off the loss, with inference logp 0 as rl.py packs it
+        index += [i] * (len(pairs) + 1)
+    logp = torch.tensor([[math.log(p) for p, _ in row]], dtype=torch.float64, requires_grad=True)
+    inference_logp = torch.tensor([[math.log(q) for _, q in row]], dtype=torch.float64)
+    mask = torch.tensor([[n not in (0, 4, 7) for n in range(len(row))]])
+    adv = torch.tensor([[MISMATCH_ROLLOUTS[i][0] for i in index]], dtype=torch.float64)
+    combinations = itertools.product(
+        (2.0, 1.1), ("dppo", "ppo", "cispo", "reinforce"), ("none", "truncate", "mask"), LEVELS, LEVELS
+    )
+    checked = 0
+    for cap, variant, correction, ratio_level, mismatch_level in combinations:
+        options = dict(
+            variant=variant, mismatch_correction=correction, ratio_level=ratio_level,
+            mismatch_level=mismatch_level, mismatch_cap=cap,
+        )  # fmt: skip
+        if ratio_level == "sequence" and variant in ("dppo", "reinforce"):
+            with pytest.raises(UserError, match="ratio_level sequence applies to"):
+                LossConfig(**options)
+        elif correction == "truncate" and variant != "reinforce" and ratio_level != mismatch_level:
+            with pytest.raises(UserError, match="must equal loss.ratio_level"):
+                LossConfig(**options)
+        else:
+            config = LossConfig(**options)
+            loss, metrics = policy_loss(
+                logp, inference_logp, adv, mask, 8, config, rollout_index=torch.tensor([index])
+            )
+            (grad,) = torch.autograd.grad(loss, logp)
+            value, grads, masked, over = mismatch_expected(config)
+            assert loss.item() == pytest.approx(value, abs=1e-12), options
+            assert grad[mask].tolist() == pytest.approx(grads, abs=1e-12), options
+            assert grad[~mask].abs().max().item() == 0, options
+            assert metrics["masked_fraction"].item() == pytest.approx(masked), options
+            if correction != "none":
+                name = "mismatch_truncated" if correction == "truncate" else "mismatch_masked"
+                assert metrics[name].item() == pytest.approx(over), options
+            checked += 1
+    assert checked == 2 * (5 + 6 + 10 + 10)  # per cap: dppo, reinforce, ppo, cispo
+
+
 SEQUENCE_LEVEL = {
     "gspo": LossConfig(variant="ppo", ratio_level="sequence", aggregation="sequence_mean", clip_high=0.1),
     "cispo_sequence_masked": LossConfig(
         variant="cispo", ratio_level="sequence", mismatch_correction="mask", mismatch_level="sequence",
         mismatch_cap=1.3,
     ),
-    "ppo_sequence_truncated": LossConfig(
-        variant="ppo", mismatch_correction="truncate", mismatch_level="sequence", mismatch_cap=1.3
+    "gspo_sequence_truncated": LossConfig(
+        variant="ppo", ratio_level="sequence", mismatch_correction="truncate", mismatch_level="sequence",
+        mismatch_cap=1.3,
     ),
     "dppo_constant": LossConfig(aggregation="constant"),
 }  # fmt: skip
@@ -407,6 +530,34 @@ def test_sequence_level_quantities_do_not_depend_on_packing(config):
         assert other_total == pytest.approx(total, abs=1e-6)
         assert other_grads == pytest.approx(grads, abs=1e-6)
         assert other_metrics == pytest.approx(metrics, abs=1e-6)
+
+
+def test_rl_imports_a_custom_loss_from_its_working_directory_and_refuses_a_bad_one_before_any_model(tmp_path):
+    """scripts/rl.py as users run it, from a directory that holds the loss's module and nothing else puts on
+    the path (tests/conftest.py's sys.path reaches no subprocess)."""
+    (tmp_path / "my_loss.py").write_text(
+        "from pathlib import Path\n"
+        "Path('imported_from').write_text(__file__)\n"
+        "def loss(logp, *args, **kwargs):\n"
+        "    return logp.sum(), {}\n"
+    )
+    environment = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+
+    def rl(import_path: str, *flags: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, str(ROOT / "scripts" / "rl.py"), "--loss.import-path", import_path, *flags]
+        return subprocess.run(
+            command, cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=120
+        )
+
+    # A later mistake of the config stops the run at parse time, after the loss's module was imported.
+    found = rl("my_loss:loss", "--rollouts-per-example", "1")
+    assert found.returncode == 2 and "rollouts_per_example must be at least 2" in found.stderr, found.stderr
+    assert (tmp_path / "imported_from").read_text() == str(tmp_path / "my_loss.py")
+    # A bad path is one sentence, before main() would load the model (which does not exist here).
+    failed = rl("no_such_module:loss", "--model.name", str(tmp_path / "no_such_model"))
+    not_found = f"error: loss.import_path: cannot import no_such_module from the Python path or {tmp_path} ("
+    assert failed.returncode == 2 and failed.stderr.startswith(not_found), failed.stderr
+    assert failed.stderr.count("\n") == 1, failed.stderr
 
 
 def test_new_options_reject_bad_values_and_a_custom_loss_is_found_by_its_path(monkeypatch, tmp_path):
