@@ -2,11 +2,16 @@
 
 import dataclasses
 import json
+import os
+import re
 import shlex
 from pathlib import Path
 from typing import Literal
 
-from lib.config import UserError, preset_to_flags
+from lib.config import KEY_VARIABLE, UserError, preset_to_flags
+
+# Flag names that carry a secret, however spelled (api_key, API-KEY, hf-token, db.password...).
+SECRET_NAME = re.compile(r"(^|[-_.])(api[-_.]?key|token|secret|password|passwd)($|[-_.])", re.IGNORECASE)
 
 
 @dataclasses.dataclass
@@ -91,6 +96,27 @@ def find_api_keys(value, path: str = "") -> list[str]:
         return []
     found = [f"{path}{k}" for k, v in value.items() if k == "api_key" and v]
     return found + [n for k, v in value.items() for n in find_api_keys(v, f"{path}{k}.")]
+
+
+def check_no_secrets(cluster: SlurmConfig) -> None:
+    """Refuses a secret the job would write into its script, and so onto the nodes' command lines (`ps`):
+    a serve.py flag named like one (vLLM's passed-through flags included), or the key's own value."""
+    for option in cluster.serve:
+        name, _, value = option.partition("=")
+        for flag in [name, *re.findall(r"(?:^|\s)--?([^\s=]+)", value)]:
+            if SECRET_NAME.search(flag):
+                raise UserError(
+                    f"slurm.serve {flag!r} would put a secret on the inference nodes' command lines, where "
+                    f"anyone there sees it: drop it and export it before sbatch instead ({KEY_VARIABLE} for "
+                    "the servers' key; the job passes its environment on)."
+                )
+    key = os.environ.get(KEY_VARIABLE)
+    for field in ("serve", "setup", "sbatch"):
+        if key and any(key in text for text in getattr(cluster, field)):
+            raise UserError(
+                f"slurm.{field} holds the value of ${KEY_VARIABLE}, which would be written into the job's "
+                "script: drop it, the job passes the key on from the environment sbatch runs in."
+            )
 
 
 def serve_lines(run, cluster: SlurmConfig, nodes: int) -> tuple[list[str], list[str]]:
@@ -264,6 +290,7 @@ def render(stage: str, run, cluster: SlurmConfig, python: Path, workdir: Path) -
             f"the job takes the key from the environment only: drop {', '.join(keys)} and export "
             "PLAINRL_API_KEY before sbatch."
         )
+    check_no_secrets(cluster)
     inference_nodes = cluster.inference_nodes if cluster.inference_nodes is not None else int(stage == "rl")
     if stage == "sft" and inference_nodes:
         raise UserError("SFT runs on trainer nodes only: leave slurm.inference_nodes out (or 0).")

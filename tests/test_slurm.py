@@ -133,6 +133,36 @@ def test_refuses_a_key_in_the_config_and_inference_nodes_for_sft(tmp_path, capsy
         render("rl", ["--inference.urls", "http://h:8000/v1"], tmp_path)
 
 
+def test_refuses_a_secret_passed_to_the_servers_by_name(tmp_path):
+    base = ["@", str(ROOT / "configs/tiny/rl.toml"), "--output-dir", "r"]
+    named = ["api-key=k", "api_key=k", "API-KEY=k", "vllm.hf-token=t", "db.password=p"]
+    for option in [*named, "client_secret"]:
+        with pytest.raises(ValueError) as refused:
+            render("rl", [*base, "--slurm.serve", option], tmp_path)
+        message = str(refused.value)
+        assert "PLAINRL_API_KEY" in message and "\n" not in message, message
+        assert option.partition("=")[0] in message and "=" not in message, message
+    with pytest.raises(ValueError, match="'api-key'"):  # a flag inside vLLM's own passed-through ones
+        render("rl", [*base, "--slurm.serve", "vllm.extra-args=--api-key=k"], tmp_path)
+    # Names that only look alike stay allowed.
+    _, text = render("rl", [*base, "--slurm.serve", "vllm.max-num-batched-tokens=64"], tmp_path)
+    assert "--vllm.max-num-batched-tokens 64" in joined(text)
+
+
+def test_refuses_the_keys_value_anywhere_in_the_scripts_text_without_echoing_it(tmp_path, monkeypatch):
+    key = "k3y-" + secrets.token_hex(8)
+    monkeypatch.setenv("PLAINRL_API_KEY", key)
+    base = ["@", str(ROOT / "configs/tiny/rl.toml"), "--output-dir", "r"]
+    for field, value in [("serve", f"vllm.extra-args={key}"), ("setup", f"export K={key}"), ("sbatch", key)]:
+        with pytest.raises(ValueError) as refused:
+            render("rl", [*base, f"--slurm.{field}", value], tmp_path)
+        message = str(refused.value)
+        assert f"slurm.{field}" in message and "PLAINRL_API_KEY" in message, message
+        assert key not in message and "\n" not in message, message
+    _, text = render("rl", [*base, "--slurm.setup", "module load cuda"], tmp_path)  # the key set is fine
+    assert key not in text
+
+
 def test_dry_run_prints_the_script_and_writes_nothing(tmp_path):
     command = [str(ROOT / ".venv/bin/python"), str(ROOT / "scripts/slurm.py"), "sft", "@"]
     command += [
