@@ -42,6 +42,7 @@ class Producer:
         start_version: int = 0,
         seq_len: int | None = None,
         filter_flat_groups: bool = False,
+        served_kept_sets: bool = False,
     ):
         assert contexts, "the producer needs at least one server"
         if seq_len is not None:
@@ -54,6 +55,7 @@ class Producer:
         self.mixture, self.contexts, self.seq_len = mixture, contexts, seq_len
         self.group_size, self.examples_per_step = rollouts_per_example, examples_per_step
         self.max_async_level, self.filter_flat_groups = max_async_level, filter_flat_groups
+        self.served_kept_sets = served_kept_sets  # every rollout must carry the server's kept sets
         self.version = start_version
         self.started = start_version * examples_per_step  # groups started, counted in step units
         # Counts since the last take(), kept and reset by the loop's thread alone (_take): each error, flat
@@ -224,6 +226,21 @@ class Producer:
             # Dropping only the long rollouts would leave the rest of the group's advantages not summing to 0.
             self.num_too_long += len(group)
             self.last_error = f"a rollout of {longest} tokens is longer than seq_len {self.seq_len}"
+            self._replace_failed_group()
+            return
+        # verifiers drops a turn's kept sets whose counts do not match the turn's tokens (lib/envs.py kept_sets),
+        # though the servers send them (the run checked at its start): such a rollout cannot be scored over the
+        # sets it was sampled from. Its whole group goes, as a group too long does: dropping only its episode
+        # would move the group's baseline toward the episodes that kept theirs.
+        without = {r.episode: r for r in group if r.kept_counts is None} if self.served_kept_sets else {}
+        for rollout in without.values():  # one error per episode
+            self._error(
+                "a rollout came back without kept sets for some of its tokens (verifiers drops a turn's "
+                "sampling_mask whose counts do not match the turn's tokens; the episode's turns ended: "
+                f"{', '.join(rollout.finish_reasons) or 'unknown'}): its group is left out of training",
+                source.name,
+            )
+        if without:
             self._replace_failed_group()
             return
         if num_episodes < 2:  # a group of one episode (however many branches) has no advantage

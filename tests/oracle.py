@@ -17,14 +17,22 @@ from fastapi.responses import JSONResponse
 from lib.inference import free_port
 
 
-def oracle_app(conversations: list, tokenizer=None, broken: bool = False, cut_turns: tuple = ()) -> FastAPI:
+def oracle_app(
+    conversations: list,
+    tokenizer=None,
+    broken: bool = False,
+    cut_turns: tuple = (),
+    kept_sets: bool = False,
+    kept_set_gaps: tuple = (),
+) -> FastAPI:
     """Answers turn k of a conversation with its k-th reference reply, found by the first user message.
 
     A conversation is a list of messages or {"messages", "tools"}; a reference reply with tool_calls is
     answered as a tool call (OpenAI tool_calls on chat completions, the chat template's <tool_call>
     text on /generate). With `broken`, every answer is an HTTP 500 (to test that failures are counted,
     not raised). On /generate, the turns (0, 1, ...) in `cut_turns` end as a token limit cuts them: the
-    reply's first 3 tokens, no end token, finish reason length.
+    reply's first 3 tokens, no end token, finish reason length. With `kept_sets`, /generate returns each
+    token's kept set (`sampling_mask`, the token alone), one row short on the turns in `kept_set_gaps`.
     """
     replies = {}
     for conversation in conversations:
@@ -108,11 +116,11 @@ def oracle_app(conversations: list, tokenizer=None, broken: bool = False, cut_tu
         ids = ids[:3] if cut else ids
         logprobs = [{"token": f"token_id:{i}", "logprob": -0.25} for i in ids]
         finish = "length" if cut else "stop"
-        return {
-            "choices": [
-                {"index": 0, "token_ids": ids, "logprobs": {"content": logprobs}, "finish_reason": finish}
-            ]
-        }
+        choice = {"index": 0, "token_ids": ids, "logprobs": {"content": logprobs}, "finish_reason": finish}
+        if kept_sets:
+            gap = sum(m["role"] == "assistant" for m in messages) in kept_set_gaps
+            choice["sampling_mask"] = [[i] for i in ids][: len(ids) - gap]
+        return {"choices": [choice]}
 
     return app
 

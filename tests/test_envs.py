@@ -135,6 +135,28 @@ def test_a_turn_cut_by_a_token_limit_truncates_every_rollout_of_its_episode(tiny
         assert [(s.finish_reasons, s.truncated) for s in samples] == [(expected, truncated)] * len(samples)
 
 
+def test_a_turn_whose_kept_sets_do_not_match_its_tokens_leaves_its_rollout_without_any(tiny_dir):
+    """verifiers drops a turn's sampling_mask whose rows do not match the turn's tokens, and the rollout then
+    carries no kept sets at all (a run that needs them leaves its group out: lib/producer.py)."""
+    from transformers import AutoTokenizer
+
+    env = EnvConfig(id="alphabet_sort", args=THREE_TURNS, num_examples=1)
+    vf_env = load_env(env)
+    conversation = sft_conversations(env)[0]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    for gaps, whole in (((), True), ((1,), False)):
+        app = oracle_app([conversation], tokenizer, kept_sets=True, kept_set_gaps=gaps)
+        with serve(app) as url:
+            ctx = model_context(url, "oracle", SamplingConfig(max_tokens=512), train=True, tokenizer=tiny_dir)
+            (episode,) = run(vf_env, load_tasks(vf_env, env)[0], ctx, 1)
+        (sample,), error = training_samples(episode)
+        assert error is None and sample.reward == 1.0
+        assert (sample.kept_counts is not None) == whole, gaps
+        if whole:  # one kept id, the token itself, on every sampled token and on no other
+            assert (sample.kept_counts > 0).tolist() == sample.loss_mask
+            assert sample.kept_ids.tolist() == [t for t, m in zip(sample.token_ids, sample.loss_mask) if m]
+
+
 def test_an_exception_in_a_reward_is_an_error_not_a_crash(toy_on_path, tiny_dir):
     env = EnvConfig(id="toy_taskset", args='{"fail_in_reward": true}')
     vf_env = load_env(env)

@@ -7,6 +7,7 @@ import threading
 import time
 import types
 
+import numpy as np
 import pytest
 
 import lib.producer
@@ -20,10 +21,11 @@ from lib.sampling import SamplingConfig
 
 @pytest.fixture
 def fake_env(monkeypatch):
-    """Episodes of task {"id", "delay", "reward", "branches", "length", "raise"}: they sleep `delay` s; the
-    group's n-th episode gets the n-th reward (None: the episode fails), gives the n-th number of
-    branches of the n-th length, and raises ConnectionError if the n-th "raise" is true; task["finished"]
-    counts the episodes that ran to their end."""
+    """Episodes of task {"id", "delay", "reward", "branches", "length", "raise", "kept"}: they sleep `delay` s;
+    the group's n-th episode gets the n-th reward (None: the episode fails), gives the n-th number of
+    branches of the n-th length, carries served kept sets if the n-th "kept" is true (none by default) and
+    raises ConnectionError if the n-th "raise" is true; task["finished"] counts the episodes that ran to
+    their end."""
 
     @contextlib.asynccontextmanager
     async def serving(env):
@@ -41,15 +43,19 @@ def fake_env(monkeypatch):
             raise ConnectionError("the server went away")
         await asyncio.sleep(task.get("delay", 0.01))
         task["finished"] = task.get("finished", 0) + 1
-        return task, nth("reward", [0.0, 1.0]), nth("branches", [1]), nth("length", [3])
+        return task, nth("reward", [0.0, 1.0]), nth("branches", [1]), nth("length", [3]), nth("kept", [False])
 
     def training_samples(episode, policy_version, env, task_id, episode_index):
-        task, reward, branches, length = episode
+        task, reward, branches, length, kept = episode
         if reward is None:
             return [], "the episode failed"
+        # Served kept sets: one id per sampled token (what lib/envs.py kept_sets gives when they are whole).
+        counts = np.array([0] + [1] * (length - 1), np.int32)
+        kept_sets = {"kept_ids": np.ones(length - 1, np.int32), "kept_counts": counts} if kept else {}
         rollout = Rollout(
             [1] * length, [False] + [True] * (length - 1), [0.0] + [-1.0] * (length - 1), reward,
-            policy_version, env, str(task["id"]), task_id, episode=episode_index,
+            policy_version, env, str(task["id"]), task_id, episode=episode_index, finish_reasons=["length"],
+            **kept_sets,
         )  # fmt: skip
         return [rollout] * branches, None
 
@@ -271,6 +277,25 @@ def test_a_group_with_a_rollout_longer_than_seq_len_is_dropped_whole_before_its_
     for group in batch.groups:  # what is trained on still sums to zero, group by group
         assert sum(r.advantage for r in group) == pytest.approx(0.0)
         assert max(len(r.token_ids) for r in group) <= 8
+
+
+def test_a_group_with_a_rollout_whose_kept_sets_were_dropped_is_left_out_and_counted(fake_env, capsys):
+    # The servers send kept sets, but task 0's second episode came back without them, as when verifiers drops
+    # a turn's whose counts do not match its tokens: the group leaves, as one rollout error that says why.
+    later = [{"id": i, "kept": [True], "delay": 0.3} for i in range(1, 9)]
+    tasks = [{"id": 0, "kept": [True, False]}, *later]
+    run = producer(tasks, served_kept_sets=True)
+    run.start()
+    try:
+        batch = take_within(run, 0)
+    finally:
+        run.stop()
+    assert len(batch.groups) == 1 and batch.groups[0][0].completion != "0"
+    assert all(r.kept_counts is not None for r in batch.rollouts)
+    assert batch.metrics("fake")["rollouts/errors"] == 1 and run.num_errors == 1
+    (message,) = capsys.readouterr().out.splitlines() + run.pop_errors()  # reported by take(), or not yet
+    assert "verifiers drops a turn's sampling_mask whose counts do not match" in message
+    assert "turns ended: length" in message and "--return-sampling-mask" not in message
 
 
 def test_each_request_asks_for_what_is_left_of_seq_len_after_its_prompt():
