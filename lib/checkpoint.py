@@ -2,7 +2,8 @@
 
 Rank 0 writes each directory under a temporary name, fsyncs it and renames it into place, so a reader (a
 server reloading weights, a resuming run) never sees a half-written step_N, even after a power loss. Every
-rank must call the save and load functions: gathering the sharded state is collective.
+rank must call the save and load functions: gathering the sharded state is collective. open_run claims
+the run directory at the start: what it refuses, what a restart sets aside, what a resume continues.
 """
 
 import contextlib
@@ -15,7 +16,7 @@ import re
 import shutil
 from pathlib import Path
 
-from lib import dist
+from lib import dist, rundir
 from lib.config import UserError
 
 STEP_DIR = re.compile(r"step_(\d+)")
@@ -52,43 +53,118 @@ def latest(parent: Path, say=print) -> Path | None:
     return None
 
 
-def open_run(cfg, is_main: bool, say) -> Path | None:
-    """Claims cfg.output_dir for a run: refuses one that holds checkpoints unless cfg.resume, prints it
-    and (rank 0) writes config.toml. Returns the checkpoint to resume from, or None.
+# What a resume refuses to change: the checkpoint holds weights and optimizer state for this model and adapter.
+EXACT = ("model.name", "lora.rank", "lora.alpha", "lora.target_modules")
 
-    A directory with an earlier run's outputs but no checkpoint (a run that died before its first one)
-    starts over at step 0: those outputs move to restarted/<time>/ (set_aside), so the new run's weights,
-    rollouts, curves and wandb run never mix with the dead run's steps."""
+
+def open_run(cfg, say) -> Path | None:
+    """Claims cfg.output_dir for a run and returns the checkpoint to resume from, or None. Every rank calls it,
+    after dist.init: rank 0 alone looks at the directory and changes it (claim), the others wait for its
+    answer, so none reads what rank 0 is moving, and all end with the same sentence when it refuses."""
+    say(f"run dir: {cfg.output_dir}")
+    answer = None
+    if dist.world()[0] == 0:
+        try:
+            answer = claim(cfg, say)
+        except UserError as error:
+            answer = error
+    answer = dist.all_gather(answer)[0]
+    if isinstance(answer, UserError):
+        raise answer
+    return answer
+
+
+def claim(cfg, say) -> Path | None:
+    """open_run's work, on rank 0. Refuses a non-empty directory that is no run's, checkpoints without
+    cfg.resume, and checkpoints none of which is usable. Without a checkpoint the run starts over: what an
+    earlier run wrote moves to restarted/<time>/ (set_aside) and config.toml is written. A resume keeps
+    config.toml and records what its config changes (record_changes)."""
     from lib.config import write_config
 
     run_dir = cfg.output_dir
-    resume_from = latest(run_dir / "checkpoints", say)
-    if resume_from and not cfg.resume:
+    if run_dir.is_dir() and not rundir.is_run_dir(run_dir):
+        if foreign := sorted(p.name for p in run_dir.iterdir() if p.name not in rundir.BEFORE_RUN):
+            shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+            raise UserError(
+                f"{run_dir} holds other files ({shown}) and no run (no config.toml or provenance.json): "
+                "give --output-dir a new or empty directory."
+            )
+    found = step_dirs(run_dir / rundir.CHECKPOINTS)
+    if found and not cfg.resume:
         raise UserError(
             f"{run_dir} already holds checkpoints: pass --resume to continue, or another --output-dir."
         )
-    say(f"run dir: {run_dir}")
-    if is_main and resume_from is None:
-        if moved := set_aside(run_dir):
-            say(f"no checkpoint in {run_dir}: starting at step 0; the earlier run's outputs are in {moved}")
-    if is_main:
-        write_config(cfg, run_dir / "config.toml")
+    resume_from = latest(run_dir / rundir.CHECKPOINTS, say) if found else None
+    if found and resume_from is None:
+        # Never a silent start from step 0 over a run's damaged steps: where to start over is the user's call.
+        names = ", ".join(p.name for p in found)
+        raise UserError(
+            f"no checkpoint in {run_dir / rundir.CHECKPOINTS} can be resumed, every one is damaged ({names}): "
+            "move or delete them to start over in this directory, or give another --output-dir."
+        )
+    if resume_from is None:
+        moved = set_aside(run_dir)
+        if moved or cfg.resume:
+            where = f"; the earlier run's outputs are in {moved}" if moved else ""
+            say(f"no checkpoint in {run_dir}: starting at step 0{where}")
+        write_config(cfg, run_dir / rundir.CONFIG)
+    elif step_of(resume_from) < cfg.steps:  # a finished run has nothing to do, nor a change to record
+        record_changes(cfg, run_dir, step_of(resume_from), say)
     return resume_from
 
 
-def set_aside(run_dir: Path) -> Path | None:
-    """Moves everything in run_dir but config.toml, earlier restarted/ and slurm/ (a SLURM job's script and
-    logs, lib/slurm.py, written before the run starts) to run_dir/restarted/<UTC time>; returns that
-    directory, or None when there was nothing to move."""
+def record_changes(cfg, run_dir: Path, step: int, say) -> None:
+    """What a resume changes in the run's config (lib/config.py run_config): refused in EXACT, else said and
+    added to resumes.jsonl (the next resume starts from it); config.toml stays the config the run began with."""
     import datetime
 
-    keep = {"config.toml", "restarted", "slurm"}
-    entries = [p for p in run_dir.iterdir() if p.name not in keep] if run_dir.is_dir() else []
+    from lib.config import flat, run_config, to_dict, write_config
+
+    saved = run_config(run_dir)
+    if saved is None:  # checkpoints without a config: the run's record starts here
+        write_config(cfg, run_dir / rundir.CONFIG)
+        return
+    before, now = flat(saved), flat(to_dict(cfg))
+    changes = {
+        key: [before.get(key), now.get(key)]
+        for key in sorted(before.keys() | now.keys())
+        if key not in ("output_dir", "resume") and before.get(key) != now.get(key)
+    }
+    for key in EXACT:
+        if key in changes:
+            raise UserError(
+                f"--resume continues {run_dir} as it was trained, with {key} {changes[key][0]!r}, not "
+                f"{changes[key][1]!r}: its checkpoints hold weights and optimizer state for that; start a "
+                "new run in another --output-dir."
+            )
+    if not changes:
+        return
+    path = run_dir / rundir.RESUMES
+    shown = ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changes.items())
+    say(f"resuming from step {step} with changes to the run's config: {shown} (recorded in {path})")
+    time = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    record = {"step": step, "time": time, "changed": changes, "config": to_dict(cfg)}
+    earlier = path.read_text() if path.exists() else ""
+    # Written whole, then renamed: a run killed meanwhile leaves the earlier records whole.
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(earlier + json.dumps(record) + "\n")
+    partial.replace(path)
+
+
+def set_aside(run_dir: Path) -> Path | None:
+    """Moves what an earlier run wrote in run_dir (lib/rundir.py OUTPUTS), and a copy of its config.toml, to
+    run_dir/restarted/<UTC time>; returns that directory, or None when there was nothing to move. Nothing
+    else in run_dir moves."""
+    import datetime
+
+    entries = [run_dir / name for name in rundir.OUTPUTS if os.path.lexists(run_dir / name)]
     if not entries:
         return None
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S.%fZ")
-    target = run_dir / "restarted" / stamp
+    target = run_dir / rundir.RESTARTED / stamp
     target.mkdir(parents=True)
+    if (run_dir / rundir.CONFIG).is_file():
+        shutil.copy2(run_dir / rundir.CONFIG, target / rundir.CONFIG)
     for entry in entries:
         entry.rename(target / entry.name)
     return target
@@ -262,7 +338,7 @@ def save_weights(
     as well (what eval.py, serve.py and transformers load)."""
     whole = not adapter or merged
     state = dist.full_model_state(model, trainable_only=not whole)
-    path = Path(run_dir) / "weights" / f"step_{step}"
+    path = Path(run_dir) / rundir.WEIGHTS / f"step_{step}"
     if dist.world()[0] == 0:
         hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
         with atomic_dir(path) as tmp:
@@ -312,7 +388,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, progr
     model_state = dist.full_model_state(model, trainable_only=True)
     optimizer_state = dist.full_optimizer_state(model, optimizer)
     rng = dist.all_gather(rng_state())
-    path = Path(run_dir) / "checkpoints" / f"step_{step}"
+    path = Path(run_dir) / rundir.CHECKPOINTS / f"step_{step}"
     if dist.world()[0] == 0:
         with atomic_dir(path) as tmp:
             torch.save(model_state, tmp / "model.pt")

@@ -11,6 +11,7 @@ This module imports no torch: `--help` must stay fast.
 import contextlib
 import dataclasses
 import io
+import json
 import os
 import re
 import signal
@@ -23,6 +24,8 @@ from pathlib import Path
 
 import tomli_w
 import tyro
+
+from lib import rundir
 
 # What a file or wandb gets in place of an API key.
 REDACTED = "<redacted>"
@@ -159,8 +162,10 @@ def _is_bool(annotation) -> bool:
     )
 
 
-def preset_to_flags(config_class: type, table: dict, prefix: str = "") -> list[str]:
-    """Turns a TOML table into tyro flags, naming the first unknown key in one sentence."""
+def preset_to_flags(
+    config_class: type, table: dict, prefix: str = "", source: str = "the TOML presets"
+) -> list[str]:
+    """Turns a TOML table into tyro flags, naming the first unknown key (and `source`) in one sentence."""
     hints = typing.get_type_hints(config_class)
     fields = {f.name: hints[f.name] for f in dataclasses.fields(config_class) if f.init}
     flags: list[str] = []
@@ -168,13 +173,13 @@ def preset_to_flags(config_class: type, table: dict, prefix: str = "") -> list[s
         name = key.replace("-", "_")
         if name not in fields:
             valid = ", ".join(sorted(fields))
-            fail(f"unknown config key '{prefix}{key}' in the TOML presets (valid here: {valid}).")
+            fail(f"unknown config key '{prefix}{key}' in {source} (valid here: {valid}).")
         annotation = fields[name]
         nested = _dataclass_type(annotation)
         if nested is not None:
             if not isinstance(value, dict):
                 fail(f"config key '{prefix}{key}' must be a table such as [{prefix}{key}].")
-            flags += preset_to_flags(nested, value, f"{prefix}{name}.")
+            flags += preset_to_flags(nested, value, f"{prefix}{name}.", source)
         elif isinstance(value, dict):
             fail(f"config key '{prefix}{key}' takes a single value, not a table.")
         elif _is_bool(annotation) and isinstance(value, bool):
@@ -204,13 +209,27 @@ def _tyro_message(captured: str) -> str:
 
 
 def parse(config_class: type, argv: list[str] | None = None, description: str | None = None):
-    """Builds `config_class` from defaults < TOML presets (in order) < CLI flags."""
+    """Builds `config_class` from defaults < TOML presets (in order) < CLI flags. With --resume in a run
+    directory, the run's own config takes the presets' place (resumed)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     files, rest = split_presets(argv)
-    flags = preset_to_flags(config_class, load_presets(files)) + rest
+    presets = load_presets(files)
+    flags = preset_to_flags(config_class, presets) + rest
     if "-h" in rest or "--help" in rest:
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `--help | head` ends quietly, as other CLIs do
         return tyro.cli(config_class, args=flags, description=f"{description or ''}\n\n{USAGE}")
+    config = _cli(config_class, flags, description)
+    if getattr(config, "resume", False):
+        try:
+            saved = run_config(config.output_dir)
+        except UserError as error:
+            fail(str(error))
+        if saved is not None:
+            config = resumed(config_class, config, saved, presets, rest, description)
+    return config
+
+
+def _cli(config_class: type, flags: list[str], description: str | None):
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured):
@@ -219,6 +238,60 @@ def parse(config_class: type, argv: list[str] | None = None, description: str | 
         if exit_.code in (0, None):
             raise
         fail(_tyro_message(captured.getvalue()))
+
+
+def resumed(config_class: type, config, saved: dict, presets: dict, rest: list[str], description: str | None):
+    """The config a --resume continues with: the run's own (run_config) < the CLI flags. The `@` presets
+    are left out, since make and SLURM jobs pass them again on every resume; where one differs from the
+    run's, one line on stderr (rank 0) says it was ignored. lib/checkpoint.py open_run says, records or
+    refuses what the flags change."""
+    run_dir = config.output_dir
+    base = preset_to_flags(config_class, saved, source=f"{run_dir / rundir.CONFIG}")
+    # The directory and --resume are the ones given now: a run moved elsewhere resumes there.
+    final = _cli(config_class, [*base, "--output-dir", str(run_dir), "--resume", *rest], description)
+    given, kept = flat(to_dict(config)), flat(to_dict(final))
+    ignored = [
+        f"{key} {given.get(key)!r} (the run's: {kept.get(key)!r})"
+        for key in flat(presets)
+        if key not in ("output_dir", "resume") and given.get(key) != kept.get(key)
+    ]
+    if ignored and os.environ.get("RANK", "0") == "0":
+        print(
+            f"--resume continues {run_dir} with its own config: ignored from the presets "
+            f"{', '.join(ignored)} (a flag changes a value)",
+            file=sys.stderr,
+        )
+    return final
+
+
+def run_config(run_dir: Path) -> dict | None:
+    """The config a resume of `run_dir` continues with: the last one resumes.jsonl records, else config.toml's;
+    None when the directory holds neither."""
+    resumes, path = run_dir / rundir.RESUMES, run_dir / rundir.CONFIG
+    if resumes.is_file():
+        lines = resumes.read_text().splitlines()
+        if lines:
+            return json.loads(lines[-1])["config"]
+    if not path.is_file():
+        return None
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as error:
+        raise UserError(
+            f"{path} is not valid TOML ({error}): --resume reads the run's config there."
+        ) from None
+
+
+def flat(table: dict, prefix: str = "") -> dict:
+    """{"optim.lr": 3e-4, ...}: a nested config table's leaves by dotted field name."""
+    leaves = {}
+    for key, value in table.items():
+        name = prefix + key.replace("-", "_")  # a TOML key may spell a field with dashes
+        if isinstance(value, dict):
+            leaves.update(flat(value, f"{name}."))
+        else:
+            leaves[name] = value
+    return leaves
 
 
 def to_dict(config) -> dict:
@@ -238,6 +311,9 @@ def to_dict(config) -> dict:
 
 
 def write_config(config, path: Path) -> None:
-    """Writes the resolved config; it can be passed back with `@ path` to repeat the run."""
+    """Writes the resolved config; it can be passed back with `@ path` to repeat the run. Written under
+    another name, then renamed: a run killed meanwhile leaves no half of it for --resume to read."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(tomli_w.dumps(to_dict(config)))
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(tomli_w.dumps(to_dict(config)))
+    partial.replace(path)

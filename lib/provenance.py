@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 
+from lib import rundir
 from lib.config import REDACTED
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,7 +82,7 @@ def write_provenance(run_dir: Path, servers: list[dict], api_key: str | None = N
             for s in servers
         ],
     }
-    path = Path(run_dir) / "provenance.json"
+    path = Path(run_dir) / rundir.PROVENANCE
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(info, indent=2) + "\n")
     return path

@@ -3,7 +3,6 @@
 import hashlib
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -188,28 +187,3 @@ def test_a_rerun_from_step_0_keeps_what_it_writes_beside_a_dead_runs_higher_step
     assert names("checkpoints") == ["step_0", "step_3", "step_4", "step_5"]
     prune(tmp_path / "checkpoints", keep=1)  # without `written`: the newest `keep` of all, as before
     assert names("checkpoints") == ["step_5"]
-
-
-def test_a_directory_without_a_checkpoint_is_set_aside_and_the_run_starts_over(tmp_path, capsys):
-    import dataclasses
-
-    from lib.checkpoint import open_run
-
-    @dataclasses.dataclass
-    class RunConfig:
-        output_dir: Path
-        resume: bool = False
-
-    run_dir = tmp_path / "run"
-    for leftover in ("weights/step_3/config.json", "rollouts/step_3.jsonl", "tb/events", "wandb_id"):
-        (run_dir / leftover).parent.mkdir(parents=True, exist_ok=True)
-        (run_dir / leftover).write_text("dead run")
-    (run_dir / "checkpoints" / ".tmp-step_10").mkdir(parents=True)  # killed while writing its first
-    assert open_run(RunConfig(run_dir), True, print) is None
-    (moved,) = (run_dir / "restarted").iterdir()
-    assert (moved / "weights" / "step_3" / "config.json").read_text() == "dead run"
-    assert (moved / "wandb_id").exists() and (moved / "checkpoints").is_dir()  # a new wandb run, too
-    assert sorted(p.name for p in run_dir.iterdir()) == ["config.toml", "restarted"]
-    assert f"no checkpoint in {run_dir}: starting at step 0" in capsys.readouterr().out
-    assert open_run(RunConfig(run_dir, resume=True), True, print) is None  # nothing more to set aside
-    assert len(list((run_dir / "restarted").iterdir())) == 1
