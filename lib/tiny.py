@@ -116,13 +116,26 @@ def build_model(config: TinyConfig, vocab_size: int, eos_token_id: int, pad_toke
 
 
 def write_tiny(out_dir: str | Path, config: TinyConfig | None = None) -> Path:
-    """Writes tokenizer + model to `out_dir` (loadable by AutoModelForCausalLM / AutoTokenizer)."""
+    """Writes tokenizer + model to `out_dir` (loadable by AutoModelForCausalLM / AutoTokenizer). Written
+    beside and moved into place, so a write cut short leaves no model, or the previous one, never half of one."""
+    import shutil
+
     config = config or TinyConfig()
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer()
     model = build_model(config, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    partial = out_dir.absolute().with_name(f".{out_dir.absolute().name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)  # left by a write that was killed
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    if not out_dir.exists():
+        partial.rename(out_dir)
+        return out_dir
+    # The directory may hold files of the user's, so it is not replaced whole: file by file, config.json
+    # last, which makes its presence the sign of a whole model (scripts/demo.py relies on it).
+    for path in sorted(partial.iterdir(), key=lambda path: path.name == "config.json"):
+        path.replace(out_dir / path.name)
+    partial.rmdir()
     return out_dir

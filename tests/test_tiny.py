@@ -103,3 +103,31 @@ def test_tiny_template_renders_tools_calls_and_results_turn_by_turn(tiny_dir):
         ],
     }
     assert tokenizer.apply_chat_template(wire, tools=tools, tokenize=False) == text
+
+
+def test_a_write_cut_short_leaves_no_model_and_keeps_the_previous_one(tmp_path, monkeypatch):
+    import hashlib
+
+    import pytest
+    from transformers import PreTrainedTokenizerFast
+
+    def contents(directory):
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in directory.iterdir()}
+
+    old = write_tiny(tmp_path / "old", TinyConfig(seed=1))
+    (old / "notes.txt").write_text("the user's own file")
+    before = contents(old)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(PreTrainedTokenizerFast, "save_pretrained", killed)
+    for out in (tmp_path / "new", old):
+        with pytest.raises(KeyboardInterrupt):
+            write_tiny(out)
+    assert not (tmp_path / "new").exists()
+    assert contents(old) == before
+    monkeypatch.undo()
+    write_tiny(old)
+    assert (old / "notes.txt").read_text() == "the user's own file"
+    assert contents(old)["model.safetensors"] == contents(write_tiny(tmp_path / "fresh"))["model.safetensors"]
