@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lib.config import UserError
-from lib.inference import HEALTH_EVERY_S, check_servers
+from lib.inference import HEALTH_EVERY_S, PauseWatch, check_servers
 from lib.tasks import task_id
 
 
@@ -84,6 +84,8 @@ def record(example: int, rollout: int, episode) -> dict:
 
 
 def summarize(records: list[dict], rollouts_per_example: int) -> dict:
+    """The summary of a run's records. A failed episode counts as reward 0 in every average; `status` says
+    whether any failed ("ok", "partial", "failed": all of them), `error_rate` what share did."""
     rewards = [r["reward"] for r in records]
     by_example: dict[int, list[dict]] = {}
     for r in records:
@@ -94,7 +96,9 @@ def summarize(records: list[dict], rollouts_per_example: int) -> dict:
     for r in records:
         if r["error"]:
             causes[r["error"][:300]] = causes.get(r["error"][:300], 0) + 1
+    num_errors = sum(bool(r["error"]) for r in records)
     return {
+        "status": "ok" if num_errors == 0 else "failed" if num_errors == len(records) else "partial",
         "avg_reward": statistics.fmean(rewards),
         "std_reward": statistics.pstdev(rewards),
         "perfect_rate": statistics.fmean(reward >= 1.0 for reward in rewards),
@@ -104,7 +108,8 @@ def summarize(records: list[dict], rollouts_per_example: int) -> dict:
         "avg_completion_tokens": statistics.fmean(r["num_completion_tokens"] for r in records),
         "num_examples": len(by_example),
         "num_rollouts": len(records),
-        "num_errors": sum(bool(r["error"]) for r in records),
+        "num_errors": num_errors,
+        "error_rate": num_errors / len(records),
         "errors": causes,
     }
 
@@ -142,18 +147,21 @@ async def run_all(
 
 
 async def while_healthy(work, base_url: str, api_key: str | None):
-    """Awaits the coroutine `work`, checking the server's /health every HEALTH_EVERY_S: the verifiers
-    client has no read timeout, so a server that dies or freezes would leave `work` waiting forever;
-    check_servers' one sentence ends it instead."""
-    running = asyncio.ensure_future(work)
+    """Awaits the coroutine `work`, checking every HEALTH_EVERY_S that the server answers /health and that no
+    other client holds it paused (a paused server answers /health too): the verifiers client has no read
+    timeout, so a server that dies, freezes or stays paused would leave `work` waiting forever; one sentence
+    ends it instead. rl.py's own reloads never count: it waits for them before it evaluates."""
+    running, watch = asyncio.ensure_future(work), PauseWatch([base_url], api_key)
     try:
         while True:
             done, _ = await asyncio.wait({running}, timeout=HEALTH_EVERY_S)
             if done:
                 return running.result()
             await asyncio.to_thread(check_servers, [base_url], api_key)
+            await asyncio.to_thread(watch.check)
     finally:
         running.cancel()
+        watch.stop.set()  # else asyncio.run waits, after Ctrl-C, for a check still polling in its thread
 
 
 class Evaluator:

@@ -132,7 +132,9 @@ def serve(app: FastAPI):
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
+    deadline = time.monotonic() + 60
     while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
         time.sleep(0.01)
     try:
         yield f"http://127.0.0.1:{port}/v1"

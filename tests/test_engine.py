@@ -39,7 +39,9 @@ def test_engine_skips_requests_whose_caller_left_and_fails_queued_ones_on_close(
 def test_a_wait_pause_after_a_keep_pause_lets_the_held_sequence_finish(tiny_dir):
     engine = Engine(ModelConfig(name=str(tiny_dir), device="cpu"))
     future = engine.submit(list(range(5, 25)), SamplingParams(max_tokens=400, ignore_eos=True))
+    deadline = time.monotonic() + 60
     while not engine._busy:  # the sequence is running
+        assert time.monotonic() < deadline, "the sequence did not start in 60 s"
         time.sleep(0.01)
     engine.pause("keep")  # held mid-sequence
     assert not future.done()

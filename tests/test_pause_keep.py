@@ -18,6 +18,7 @@ import time
 import httpx
 import pytest
 import torch
+from conftest import until_decoding
 
 from lib import inference, reload
 
@@ -87,7 +88,8 @@ def kept_across_reload(url: str, reloading) -> dict:
     kept = {}
     request = threading.Thread(target=lambda: kept.update(generate(url, KEPT_TOKENS)))
     request.start()
-    time.sleep(per_token * KEPT_TOKENS / 3)
+    until_decoding(url)
+    time.sleep(per_token * KEPT_TOKENS / 3)  # and some of its tokens sampled: the pause lands mid-request
     reloading()
     request.join()
     assert len(kept["spans"]) == 2, f"the request was not in flight at the pause: {kept['spans']}"

@@ -25,7 +25,7 @@ def fake_env(monkeypatch):
     the group's n-th episode gets the n-th reward (None: the episode fails), gives the n-th number of
     branches of the n-th length, carries served kept sets if the n-th "kept" is true (none by default) and
     raises ConnectionError if the n-th "raise" is true; task["finished"] counts the episodes that ran to
-    their end."""
+    their end, task["cancelled"] those cancelled on the way."""
 
     @contextlib.asynccontextmanager
     async def serving(env):
@@ -41,7 +41,11 @@ def fake_env(monkeypatch):
 
         if nth("raise", [False]):
             raise ConnectionError("the server went away")
-        await asyncio.sleep(task.get("delay", 0.01))
+        try:
+            await asyncio.sleep(task.get("delay", 0.01))
+        except asyncio.CancelledError:
+            task["cancelled"] = task.get("cancelled", 0) + 1
+            raise
         task["finished"] = task.get("finished", 0) + 1
         return task, nth("reward", [0.0, 1.0]), nth("branches", [1]), nth("length", [3]), nth("kept", [False])
 
@@ -117,7 +121,10 @@ def test_an_episode_is_tagged_with_the_weights_of_its_first_request(fake_env):
     run = producer(tasks, max_concurrent=2)
     run.start()
     try:
-        time.sleep(0.2)  # task 0 is sampling, task 1 was queued at version 0 and waits for a slot
+        # Task 0 is sampling, task 1 was queued at version 0 and waits for a slot.
+        drawn = run.mixture.sources[0].tasks
+        assert eventually(lambda: drawn[0].get("episodes") == 2 and run.mixture.draws == 2)
+        assert "episodes" not in drawn[1]
         run.set_version(1)
         first, second = run.take(0), run.take(1)
     finally:
@@ -225,10 +232,8 @@ def test_an_episode_that_raises_is_counted_its_group_replaced_and_its_siblings_c
         batch = take_within(run, 0)
         assert sorted(group[0].completion for group in batch.groups) == ["1", "2"]
         assert run.num_errors == 1 and run.last_error == "ConnectionError: the server went away"
-        time.sleep(2.5)
-        assert run.mixture.sources[0].tasks[0].get("finished", 0) == 0, (
-            "the failed episode's sibling kept running"
-        )
+        failed = run.mixture.sources[0].tasks[0]
+        assert failed.get("cancelled") == 1 and "finished" not in failed, "its sibling ran on"
     finally:
         run.stop()
 

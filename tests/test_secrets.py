@@ -69,10 +69,14 @@ def test_a_run_keeps_the_key_off_every_command_line_and_out_of_every_file(tiny_d
     with subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     ) as make:
+        deadline = time.monotonic() + 600
         while make.poll() is None:
             for pid in descendants(make.pid):
                 if (process := read_process(pid)) is not None:
                     seen[(pid, tuple(process[0]))] = process[1]
+            if time.monotonic() > deadline:
+                make.kill()  # else leaving the with block waits for it
+                raise AssertionError("`make rl` still ran after 10 minutes")
             time.sleep(0.05)
         output = make.stdout.read().decode(errors="replace")
     assert make.returncode == 0, output[-3000:]

@@ -7,6 +7,7 @@ import shutil
 import httpx
 import pytest
 import torch
+from conftest import until_decoding
 
 from lib import inference
 
@@ -96,13 +97,15 @@ def generate_body(token_ids, **sampling):
     return {"model": None, "token_ids": token_ids, "sampling_params": {"logprobs": 0, **sampling}}
 
 
-async def post_all(url, requests, head_start=0.0):
-    """Sends (path, body) pairs at once (the first `head_start` seconds early); returns the answers in order."""
+async def post_all(url, requests, staggered=False):
+    """Sends (path, body) pairs at once (`staggered`: the others once the first one decodes);
+    returns the answers in order."""
     async with httpx.AsyncClient(
         base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120
     ) as client:
         first = asyncio.create_task(client.post(requests[0][0], json=requests[0][1]))
-        await asyncio.sleep(head_start)
+        if staggered:
+            await asyncio.to_thread(until_decoding, url, {"Authorization": f"Bearer {KEY}"})
         responses = await asyncio.gather(
             first, *(client.post(path, json=body) for path, body in requests[1:])
         )
@@ -297,7 +300,7 @@ def test_logprobs_equal_the_training_logprobs(server, tokenizer):
             for i, p in enumerate(prompts)
         ]
         requests[0][1]["sampling_params"].update(max_tokens=150, ignore_eos=True)
-        for prompt, answer in zip(prompts, asyncio.run(post_all(server["url"], requests, head_start=0.1))):
+        for prompt, answer in zip(prompts, asyncio.run(post_all(server["url"], requests, staggered=True))):
             for choice in answer["choices"]:
                 expected = training_logprobs(model, prompt, choice["token_ids"], temperature)
                 worst = max(worst, (served_logprobs(choice) - expected).abs().max().item())
@@ -488,7 +491,7 @@ def test_reload_under_load_loses_no_request_and_never_mixes_weights(server, new_
             base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120
         ) as http:
             early = [asyncio.create_task(http.post("/inference/v1/generate", json=b)) for b in bodies[:10]]
-            await asyncio.sleep(0.3)
+            await asyncio.to_thread(until_decoding, url, {"Authorization": f"Bearer {KEY}"})
             assert (await http.post("/pause")).status_code == 200
             held = [asyncio.create_task(http.post("/inference/v1/generate", json=b)) for b in bodies[10:]]
             await asyncio.sleep(0.3)

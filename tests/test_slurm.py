@@ -236,8 +236,10 @@ def cluster(tmp_path_factory):
     quiet = dict(env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # each logs to root/*.log
     daemons = [subprocess.Popen(["munged", *munge], **quiet)]
     try:
+        deadline = time.monotonic() + 60
         while not (root / "munge.socket").exists():
             assert daemons[0].poll() is None, (root / "munged.log").read_text()
+            assert time.monotonic() < deadline, f"munged made no socket in 60 s; see {root}/munged.log"
             time.sleep(0.1)
         daemons.append(subprocess.Popen(["slurmctld", "-D", "-f", str(conf)], **quiet))
         daemons += [

@@ -3,11 +3,10 @@ the probe's verdicts, rollouts too long for a training row, the weights' label, 
 
 import shutil
 import sys
-import time
 
 import httpx
 import pytest
-from conftest import ROOT, load_script
+from conftest import ROOT, load_script, until_decoding
 
 from lib import inference, probing, reload, sync
 from lib.config import UserError, parse
@@ -50,7 +49,7 @@ def test_a_pause_that_times_out_still_resumes_the_server(server, tiny_dir, monke
     generate_url = inference.root_url(running.url) + "/inference/v1/generate"
     long = threading.Thread(target=lambda: httpx.post(generate_url, json=body, timeout=300))
     long.start()
-    time.sleep(0.5)  # the completion is decoding: 2000 tokens outlast the 1 s the pause is given
+    until_decoding(running.url)  # 2000 tokens outlast the 1 s the pause is given
     post = reload.post
 
     def impatient_pause(http, url, path, **kwargs):
