@@ -7,7 +7,11 @@ import json
 import os
 import socket
 import sys
+from pathlib import Path
+from typing import Annotated
 from urllib.parse import urlparse
+
+import tyro
 
 from lib.config import UserError
 
@@ -65,7 +69,8 @@ def json_object(text: str, name: str) -> dict:
 class EnvConfig:
     id: str = "reverse_text"
     """Taskset id: reverse_text, alphabet_sort, plainrl_calculator, or any installed verifiers taskset."""
-    args: str = "{}"
+    # --env-args too, as eval.py spells it, in every script (sft.py: for --data.args).
+    args: Annotated[str, tyro.conf.arg(aliases=("--env-args",))] = "{}"
     """JSON object of taskset arguments, e.g. '{"min_turns": 3}'."""
     num_examples: int = -1
     """How many dataset examples to use (-1 = all the taskset provides; an endless one is drawn as needed)."""
@@ -117,13 +122,42 @@ def env_configs(env: EnvConfig) -> list[EnvConfig]:
     return configs
 
 
+def check_env_ids(env: EnvConfig, data: bool = False) -> None:
+    """A one-sentence UserError for an environment id (env.mix's too) that names no installed module, found
+    without importing verifiers or the taskset (seconds), so a typo ends a run before servers start or a
+    run directory is made. With `data` (sft.py), a .jsonl file or a dataset id (with `/`) passes."""
+    import difflib
+
+    verifiers = importlib.util.find_spec("verifiers")
+    # verifiers' own tasksets live in verifiers.v1.tasksets; looking there by path imports nothing.
+    builtin = [Path(p) / "v1" / "tasksets" for p in verifiers.submodule_search_locations] if verifiers else []
+    for config in env_configs(env):
+        if data and (config.id.endswith(".jsonl") or "/" in config.id):
+            continue
+        name = module_name(resolve_id(config.id))
+        if any((d / name).is_dir() or (d / f"{name}.py").is_file() for d in builtin) or module_found(name):
+            continue
+        known = [*OWN_TASKSETS, "plainrl_calculator"]
+        close = difflib.get_close_matches(config.id, known, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise UserError(f"environment {config.id} is not an installed verifiers taskset{hint}.")
+
+
+def module_found(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # a dotted name whose parent package is missing
+        return False
+
+
 def hub_reachable(timeout: float = 2.0) -> bool:
     """Whether the Hugging Face hub answers a TCP connect within `timeout` seconds (offline machines fail fast)."""
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
         return False
-    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
     try:
-        socket.create_connection((host, 443), timeout=timeout).close()
+        socket.create_connection((endpoint.hostname, port), timeout=timeout).close()
     except OSError:
         return False
     return True

@@ -7,7 +7,9 @@ outputs/eval/<name>/results.jsonl (one line per rollout, written as each example
 an interrupted eval keeps them) and summary.json. Without `-b`, starts the
 builtin server (scripts/serve.py) on the model and stops it afterwards. An episode that fails (server
 error, harness failure, an exception in a reward) is counted as an error with its cause, scores 0 in
-the averages, and never stops the run.
+the averages, and never stops the run; summary.json says how many failed (`error_rate`, `status`).
+When every episode fails, or a -b endpoint does not answer at all, the run ends with one sentence and
+exit code 2 (summary.json, when written, has `"status": "failed"` and `"avg_reward": null`).
 
 Usage:
     python scripts/eval.py reverse_text -m outputs/models/tiny -n 20 -r 3               # CPU, own server
@@ -21,16 +23,21 @@ import dataclasses
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Annotated, Literal
 
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # finds lib/ outside the virtualenv too
+import lib.venv  # noqa: F401  (first: says which python to use when the dependencies are missing)
+
+# isort: split
 import tyro
 
 from lib.config import UserError, fail, given_api_key, parse, run_main, write_config
 from lib.envs import json_object
 from lib.evaluation import pass_at_k, run_all, summarize  # noqa: F401 (pass_at_k: eval.pass_at_k for users)
-from lib.inference import check_base_url
+from lib.inference import check_base_url, check_reachable
 from lib.log import WandbConfig
 from lib.model import ModelConfig
 from lib.sampling import SamplingConfig
@@ -94,6 +101,7 @@ def main(cfg: Config) -> dict:
     from lib.log import wandb_eval
     from lib.model import check_model_name
     from lib.provenance import write_provenance
+    from lib.tasks import check_env_ids
 
     console = Console()
     api_key = given_api_key(cfg.api_key)
@@ -105,6 +113,7 @@ def main(cfg: Config) -> dict:
     try:
         if cfg.base_url is None:
             check_model_name(cfg.model.name)
+        check_env_ids(env)
         vf_env = load_env(env)
     except UserError as error:
         fail(str(error))
@@ -113,6 +122,8 @@ def main(cfg: Config) -> dict:
     tasks = list(load_tasks(vf_env, env).taskset)  # bounded: finite, or cut to -n
     if not tasks:
         fail(f"environment {cfg.env} gave no tasks.")
+    if cfg.base_url is not None:  # else every episode would fail on it, one by one
+        check_reachable(cfg.base_url, api_key)
     # The run directory only once the input is known good: a refused run leaves nothing behind.
     name = cfg.name or f"{cfg.env}-{Path(cfg.model.name).name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = cfg.output_dir / name
@@ -124,10 +135,11 @@ def main(cfg: Config) -> dict:
     with contextlib.ExitStack() as stack:
         base_url, command = cfg.base_url, None  # an attached server's command line is not known here
         if base_url is None:
-            console.print(f"starting the builtin server for {cfg.model.name} (log: {run_dir / 'server.log'})")
-            serving = running_server(
-                cfg.model.name, engine=cfg.engine, api_key=api_key, log_path=run_dir / "server.log"
-            )
+            what = {"torch": "the builtin server", "vllm": "a vLLM server", "auto": "a server (engine auto)"}
+            log = run_dir / "server.log"
+            # print, not rich: its console breaks lines at 80 columns, mid-path, when the output is no terminal
+            print(f"starting {what[cfg.engine]} for {cfg.model.name} (log: {log})", flush=True)
+            serving = running_server(cfg.model.name, engine=cfg.engine, api_key=api_key, log_path=log)
             try:
                 server = stack.enter_context(serving)
                 base_url, command = server.url, server.process.args
@@ -167,6 +179,9 @@ def main(cfg: Config) -> dict:
     results.write_text("".join(json.dumps(line) + "\n" for line in records))
     summary = {"env": cfg.env, "model": cfg.model.name, **summarize(records, cfg.rollouts_per_example)}
     summary["seconds"] = seconds
+    # No episode was scored: a 0.0 would read as a model that scores nothing.
+    if summary["status"] == "failed":
+        summary.update(avg_reward=None, std_reward=None, perfect_rate=None, pass_at_k={})
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     wandb_eval(cfg.wandb, run_dir, to_dict(cfg), summary, records)
 
@@ -182,13 +197,19 @@ def main(cfg: Config) -> dict:
     table.add_row(
         "rollouts", f"{summary['num_examples']} examples x {cfg.rollouts_per_example} in {seconds:.1f} s"
     )
-    table.add_row("avg reward", f"{summary['avg_reward']:.4f} ± {summary['std_reward']:.4f}")
-    table.add_row("perfect rate", f"{summary['perfect_rate']:.4f}")
+    if summary["avg_reward"] is None:
+        table.add_row("avg reward", Text("none: no episode was scored", style="bold red"))
+    else:
+        table.add_row("avg reward", f"{summary['avg_reward']:.4f} ± {summary['std_reward']:.4f}")
+        table.add_row("perfect rate", f"{summary['perfect_rate']:.4f}")
     for k, value in summary["pass_at_k"].items():
         table.add_row(f"pass@{k}", f"{value:.4f}")
     table.add_row("avg completion tokens", f"{summary['avg_completion_tokens']:.1f}")
-    table.add_row("errors", str(summary["num_errors"]))
+    errors = f"{summary['num_errors']} of {summary['num_rollouts']} ({summary['error_rate']:.1%})"
+    table.add_row("errors", Text(errors, style="bold red") if summary["num_errors"] else "0")
     console.print(table)
+    if summary["status"] == "partial":
+        console.print(Text("failed episodes count as reward 0 in the averages above; causes:", style="red"))
     for cause, count in list(summary["errors"].items())[:5]:
         console.print(Text(f"{count} x ", style="red") + Text(cause))
     if any("sampling distribution replay requires" in cause for cause in summary["errors"]):
@@ -197,6 +218,9 @@ def main(cfg: Config) -> dict:
             "without top_k: pass --sampling.top-k K and a temperature > 0 (greedy: top_k 1 at temperature 1)."
         )
     print(f"run dir: {run_dir}", flush=True)
+    if summary["status"] == "failed":
+        cause = next(iter(summary["errors"])).splitlines()[0][:200]
+        raise UserError(f"every one of the {summary['num_rollouts']} episodes failed (first cause: {cause})")
     return summary
 
 

@@ -13,9 +13,12 @@ Usage:
 """
 
 import dataclasses
+import sys
 import time
 from pathlib import Path
 
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # finds lib/ outside the virtualenv too
+import lib.venv  # noqa: F401  (first: says which python to use when the dependencies are missing)
 from lib.config import parse
 from lib.qwen import QwenConfig
 

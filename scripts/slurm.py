@@ -29,6 +29,8 @@ import signal
 import sys
 from pathlib import Path
 
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # finds lib/ outside the virtualenv too
+import lib.venv  # noqa: F401  (first: says which python to use when the dependencies are missing)
 from lib.config import fail, parse, run_main
 from lib.slurm import SlurmConfig, render
 

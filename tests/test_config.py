@@ -157,6 +157,72 @@ def test_a_model_the_hub_cannot_give_is_one_sentence(tmp_path, script):
     assert last.startswith("error: could not load plainrl-test/no-such-model: "), last
 
 
+def test_an_unreachable_hub_fails_at_once_in_one_sentence(tmp_path):
+    from lib.inference import free_port
+
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there: the hub refuses at once
+    env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "0"}
+    began = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/sft.py"), "--model.name", "Qwen/Qwen3-0.6B", "--output-dir=run"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=40,  # huggingface_hub's retries took over a minute
+        env=env,
+    )
+    assert result.returncode == 2 and time.perf_counter() - began < 30
+    assert result.stderr.startswith(
+        f"error: could not load Qwen/Qwen3-0.6B: the Hugging Face hub ({endpoint}) is unreachable"
+    )
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_unreachable_hub_loads_a_cached_model_offline_and_says_so(tmp_path, monkeypatch, capsys):
+    import huggingface_hub.constants
+
+    from lib.inference import free_port
+    from lib.model import check_model_name
+
+    snapshot = tmp_path / "models--plainrl-test--cached" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "models--plainrl-test--cached" / "refs").mkdir()
+    (tmp_path / "models--plainrl-test--cached" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{free_port()}")
+    began = time.perf_counter()
+    check_model_name("plainrl-test/cached")
+    assert time.perf_counter() - began < 5
+    assert huggingface_hub.constants.HF_HUB_OFFLINE and os.environ["HF_HUB_OFFLINE"] == "1"
+    assert "plainrl-test/cached from the local cache" in capsys.readouterr().err
+
+
+def test_a_python_without_the_dependencies_says_which_python_to_use():
+    """Outside the virtualenv (here: no site-packages at all) a script names the python to use in one sentence."""
+    for script in sorted((ROOT / "scripts").glob("*.py")):
+        result = subprocess.run(
+            [sys.executable, "-I", "-S", str(script), "--help"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=30,
+        )
+        assert result.returncode == 2, (script.name, result.stderr)
+        assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: "), result.stderr
+        assert ".venv/bin/python" in result.stderr and "source .venv/bin/activate" in result.stderr
+
+
+def test_every_script_takes_env_args_for_its_environment_arguments():
+    args = '{"min_turns": 2}'
+    assert parse(load_script("eval").Config, ["--env-args", args]).env_args == args
+    assert parse(load_script("rl").Config, ["--env-args", args]).env.args == args
+    assert parse(load_script("sft").Config, ["--env-args", args]).data.args == args
+
+
 def test_help_piped_into_a_reader_that_stops_early_prints_no_traceback():
     process = subprocess.Popen(
         [sys.executable, str(ROOT / "scripts/rl.py"), "--help"],

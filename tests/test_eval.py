@@ -7,8 +7,9 @@ import pytest
 from conftest import load_script
 from oracle import oracle_app, serve
 
-from lib.config import parse
+from lib.config import parse, run_main
 from lib.envs import EnvConfig, sft_conversations
+from lib.inference import free_port
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SYNTHETIC = '{"source": "synthetic"}'
@@ -61,20 +62,79 @@ def test_eval_scores_one_against_a_server_that_always_answers_right(
     assert record["reward"] == 1.0 and record["num_completion_tokens"] > 0 and "metrics" in record
 
 
-def test_eval_counts_environment_errors_and_finishes(eval_script, tmp_path, capsys, monkeypatch):
+def test_eval_fails_in_one_sentence_when_every_episode_fails(eval_script, tmp_path, capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(FIXTURES))
     args = '{"fail_in_reward": true}'
     with serve(oracle_app(sft_conversations(EnvConfig(id="toy_taskset")))) as url:
         argv = ["toy_taskset", "-m", "oracle", "-b", url, "-n", "2", "-r", "2", "--env-args", args]
-        summary, records, lines = evaluate(eval_script, argv, tmp_path, capsys)
-    assert summary["num_errors"] == summary["num_rollouts"] == 4 and summary["avg_reward"] == 0.0
+        config = parse(eval_script.Config, [*argv, "--output-dir", str(tmp_path), "--name", "run"])
+        with pytest.raises(SystemExit) as exit_info:
+            run_main(eval_script.main, config)
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: every one of the 4 episodes failed (first cause: "), last
+    assert "toy reward exploded" in last
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["avg_reward"] is None and summary["error_rate"] == 1.0
+    assert summary["num_errors"] == summary["num_rollouts"] == 4
+    records = [json.loads(line) for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
     assert all("toy reward exploded" in record["error"] for record in records)
-    assert any("toy reward exploded" in line for line in lines)
+
+
+def test_eval_against_an_unreachable_server_fails_before_any_episode(eval_script, tmp_path, capsys):
+    url = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
+    argv = ["reverse_text", "-m", "oracle", "-b", url, "-n", "2", "--env-args", SYNTHETIC]
+    config = parse(eval_script.Config, [*argv, "--output-dir", str(tmp_path), "--name", "run"])
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(eval_script.main, config)
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"error: cannot reach the inference server {url} ("), last
+    assert not (tmp_path / "run").exists()  # a refused run leaves nothing behind
+
+
+def test_a_partial_failure_stands_out_with_its_error_rate(eval_script, tmp_path, capsys):
+    conversations = sft_conversations(EnvConfig(id="reverse_text", args=SYNTHETIC, num_examples=2))
+    # The oracle knows only the first example: it answers the second one's requests with HTTP 500.
+    with serve(oracle_app(conversations[:1])) as url:
+        argv = ["reverse_text", "-m", "oracle", "-b", url, "-n", "2", "-r", "2", "--env-args", SYNTHETIC]
+        summary, records, lines = evaluate(eval_script, argv, tmp_path, capsys)
+    assert summary["status"] == "partial" and summary["num_errors"] == 2 and summary["error_rate"] == 0.5
+    assert [bool(r["error"]) for r in records] == [False, False, True, True]
+    assert summary["avg_reward"] == 0.5  # the failed episodes count as reward 0
+    assert any("2 of 4 (50.0%)" in line for line in lines)
+    assert any("failed episodes count as reward 0 in the averages" in line for line in lines)
+
+
+def test_the_server_start_line_names_its_engine_and_stays_on_one_line(
+    eval_script, tiny_dir, tmp_path, capsys, monkeypatch
+):
+    import contextlib
+
+    import lib.inference
+
+    @contextlib.contextmanager
+    def not_started(*args, **kwargs):
+        raise RuntimeError("the inference server was not started in this test")
+        yield
+
+    monkeypatch.setattr(lib.inference, "running_server", not_started)
+    # Longer than the 80 columns of a console whose output is no terminal.
+    out = tmp_path / ("a-long-directory-name-" * 4)
+    argv = ["reverse_text", "-m", str(tiny_dir), "--engine", "vllm", "-n", "1", "--env-args", SYNTHETIC]
+    with pytest.raises(SystemExit):
+        eval_script.main(parse(eval_script.Config, [*argv, "--output-dir", str(out), "--name", "run"]))
+    lines = capsys.readouterr().out.splitlines()
+    log = out / "run" / "server.log"
+    assert [line for line in lines if line.startswith("starting")] == [
+        f"starting a vLLM server for {tiny_dir} (log: {log})"
+    ]
 
 
 def test_an_interrupted_eval_keeps_the_groups_that_finished(request, eval_script, tmp_path, monkeypatch):
     import asyncio
     import signal
+    import time
 
     import lib.envs
 
@@ -88,7 +148,9 @@ def test_an_interrupted_eval_keeps_the_groups_that_finished(request, eval_script
             finally:  # a group that fails must not leave the fourth waiting forever
                 finished.append(1)
         if len(started) == 4:  # the fourth group waits for the first three, then Ctrl-C
+            deadline = time.monotonic() + 120
             while len(finished) < 3:
+                assert time.monotonic() < deadline, "the first three groups did not end in 120 s"
                 await asyncio.sleep(0.01)
             signal.raise_signal(signal.SIGINT)
         await asyncio.Event().wait()  # the others never finish

@@ -162,3 +162,34 @@ def iter_taskset(items):
         bounded = True
 
     return Finite(items)
+
+
+@pytest.mark.parametrize("script,table", [("rl", "env"), ("sft", "data")])
+def test_a_misspelt_env_id_fails_before_servers_start_or_a_run_directory_is_made(
+    script, table, tiny_dir, tmp_path
+):
+    from conftest import load_script
+
+    from lib.config import UserError, parse
+
+    module = load_script(script)
+    argv = ["--model.name", str(tiny_dir), f"--{table}.id", "reverse_txt", f"--output-dir={tmp_path / 'run'}"]
+    began = time.perf_counter()
+    with pytest.raises(UserError, match=r"^environment reverse_txt is not an installed verifiers taskset"):
+        module.main(parse(module.Config, argv))
+    assert time.perf_counter() - began < 5
+    assert not (tmp_path / "run").exists()
+
+
+def test_env_ids_are_checked_in_mixtures_and_sft_data_may_be_files_or_datasets():
+    from lib.tasks import check_env_ids
+
+    with pytest.raises(ValueError, match=r"reverse_txt is not .*\(did you mean reverse_text\?\)"):
+        check_env_ids(EnvConfig(id="reverse_txt"))
+    with pytest.raises(ValueError, match="environment nope is not"):
+        check_env_ids(EnvConfig(mix=('{"id": "nope"}',)))
+    mix = ('{"id": "plainrl_calculator"}', '{"id": "toy_taskset"}')
+    check_env_ids(EnvConfig(id="alphabet-sort", mix=mix))
+    # sft.py's data may be a file or a dataset id rather than a taskset.
+    check_env_ids(EnvConfig(id="conversations.jsonl"), data=True)
+    check_env_ids(EnvConfig(id="willcb/R1-reverse-wikipedia-paragraphs-v1-1000"), data=True)
