@@ -32,11 +32,12 @@ def of_values(values: torch.Tensor) -> list[float]:
 
 
 def of_tensor(tensor: torch.Tensor) -> list[float]:
-    """A vector (a norm's weight, a bias) whole; a matrix (outputs, inputs) over its fingerprint columns."""
+    """A vector (a norm's weight, a bias) whole; a matrix (outputs, inputs), or a stack of them (a mixture of
+    experts' fused weights: experts, outputs, inputs), over its fingerprint columns."""
     if tensor.ndim == 1:
         return of_values(tensor)
-    assert tensor.ndim == 2, f"a weight of shape {tuple(tensor.shape)} has no fingerprint"
-    return of_values(tensor.index_select(1, columns(tensor.shape[1]).to(tensor.device)))
+    assert tensor.ndim in (2, 3), f"a weight of shape {tuple(tensor.shape)} has no fingerprint"
+    return of_values(tensor.index_select(-1, columns(tensor.shape[-1]).to(tensor.device)))
 
 
 def of_directory(directory: Path) -> dict[str, list[float]]:

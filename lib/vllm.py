@@ -16,10 +16,15 @@ import importlib.util
 import json
 import os
 import sys
+from pathlib import Path
 
 from lib.config import UserError
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py MaxLoRARanks
+GIB = 2**30
+# The CPU build's KV cache is never smaller than this: room for the prefix cache and for shorter sequences
+# beyond the worst case on a small model (the tiny one needs 128 MiB for 64 sequences of 2048 tokens).
+CPU_KV_CACHE_FLOOR = GIB // 2
 
 
 @dataclasses.dataclass
@@ -44,7 +49,8 @@ class VllmConfig:
     """How chat answers' tool calls are parsed (`<tool_call>` JSON: Qwen, Hermes and plainrl's tiny model);
     None turns vLLM's tool parsing off."""
     cpu_kv_cache_gib: int | None = None
-    """CPU build only: GiB of memory for the KV cache (None = vLLM's default, 4)."""
+    """CPU build only: GiB of memory for the KV cache (None = sized to max_model_len x max_batch_size sequences
+    of the model, at least 0.5 GiB, at most half the memory left beside the weights)."""
     extra_args: list[str] = dataclasses.field(default_factory=list)
     """Further `vllm serve` flags, passed through unchanged."""
 
@@ -78,8 +84,11 @@ def vllm_command(
     max_model_len: int | None = None,
     max_lora_rank: int = 0,
     return_sampling_mask: bool = False,
+    cpu_kv_cache_bytes: int | None = None,
+    max_num_seqs: int | None = None,
 ) -> list[str]:
-    """The `vllm serve` argument list (the API key travels in the environment, see `vllm_environment`)."""
+    """The `vllm serve` argument list (the API key travels in the environment, see `vllm_environment`);
+    `cpu_kv_cache_bytes` and `max_num_seqs` for the CPU build (cpu_kv_cache)."""
     command = ["vllm", "serve", model]
     if not config.headless:  # a headless node runs engines only: no API server to name, bind or guard
         command += ["--served-model-name", served_model_name, "--host", host, "--port", str(port)]
@@ -87,6 +96,12 @@ def vllm_command(
     command += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
     if max_model_len is not None:
         command += ["--max-model-len", str(max_model_len)]
+    # Given its KV cache's size, the CPU build takes that, not gpu_memory_utilization x all of RAM, which it
+    # refused to start without ("Available memory ... is less than desired CPU memory utilization").
+    if cpu_kv_cache_bytes is not None:
+        command += ["--kv-cache-memory-bytes", str(cpu_kv_cache_bytes)]
+    if max_num_seqs is not None:
+        command += ["--max-num-seqs", str(max_num_seqs)]
     command += ["--tensor-parallel-size", str(config.tensor_parallel_size)]
     command += ["--data-parallel-size", str(config.data_parallel_size)]
     optional = {
@@ -130,6 +145,51 @@ def vllm_command(
     return command + list(config.extra_args)
 
 
+def cpu_kv_cache(
+    model: str, dtype: str, max_model_len: int | None, max_num_seqs: int, config: VllmConfig, available: int
+) -> tuple[int, str]:
+    """(bytes, how they were chosen) of the CPU build's KV cache for `model` served in `dtype`, with `available`
+    bytes of free memory: config.cpu_kv_cache_gib if set, else max_num_seqs sequences of max_model_len tokens
+    (CPU_KV_CACHE_FLOOR at least, half of what the weights leave at most, one sequence always: vLLM needs
+    that). A UserError when the weights and that cache do not fit in `available`."""
+    local = Path(model) / "config.json"
+    if local.is_file():  # read as JSON: importing transformers here costs seconds before vLLM's own import
+        model_config = json.loads(local.read_text())
+    else:
+        from transformers import AutoConfig
+
+        from lib.model import loading
+
+        with loading(model):
+            model_config = AutoConfig.from_pretrained(model).to_dict()
+    text = model_config.get("text_config") or model_config
+    max_model_len = max_model_len or text["max_position_embeddings"]
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    kv_heads = text.get("num_key_value_heads") or text["num_attention_heads"]
+    element = 4 if dtype == "float32" else 2
+    per_token = 2 * text["num_hidden_layers"] * kv_heads * head_dim * element  # keys and values
+    weights = sum(path.stat().st_size for path in Path(model).glob("*.safetensors"))  # 0 for a hub id
+    spare = available - weights
+    one_sequence = per_token * max_model_len
+    if config.cpu_kv_cache_gib is not None:
+        size, how = config.cpu_kv_cache_gib * GIB, "--vllm.cpu-kv-cache-gib"
+    else:
+        wanted = max(CPU_KV_CACHE_FLOOR, per_token * max_model_len * max_num_seqs)
+        size = max(one_sequence, min(wanted, spare // 2))
+        how = f"{max_num_seqs} sequences of {max_model_len} tokens at {per_token / 1024:.1f} KiB a token"
+        if size < wanted:
+            how += f", cut to {size // one_sequence} such sequences by the memory free"
+    if size > spare or size < one_sequence:
+        raise UserError(
+            f"vLLM's CPU build cannot start: {model} needs {weights / GIB:.2f} GiB of weights and "
+            f"{max(size, one_sequence) / GIB:.2f} GiB of KV cache ({how}; one sequence of {max_model_len} "
+            f"tokens takes {one_sequence / GIB:.2f} GiB), but {available / GIB:.2f} GiB of memory is free: lower "
+            "--max-model-len, --max-batch-size or --vllm.cpu-kv-cache-gib, or free memory"
+        )
+    plan = f"{size / GIB:.2f} GiB ({how}) beside {weights / GIB:.2f} GiB of weights, {available / GIB:.2f} GiB free"
+    return size, plan
+
+
 class ServedWeights:
     """vLLM worker extension: the `/collective_rpc` methods lib/reload.py calls after every reload, run in each
     engine's worker. `refresh_tied_output_layer` repacks a tied output layer (Qwen3 up to 4B) on the CPU
@@ -161,8 +221,10 @@ class ServedWeights:
         A CPU build's linear layer (the output layer too) computes from a packed copy and keeps no weight:
         its kernel applied to one-hot inputs returns exact columns of what it computes with. Elsewhere (GPU
         kernels, embeddings, norms) the parameters are what the kernels read. A fused layer (qkv_proj,
-        gate_up_proj) is split into the weights it was loaded from."""
+        gate_up_proj) is split into the weights it was loaded from; a mixture of experts' weights are named
+        as transformers fuses them (served_experts)."""
         import torch
+        from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
         from vllm.model_executor.layers.linear import LinearBase
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
@@ -179,8 +241,9 @@ class ServedWeights:
             if isinstance(module, LinearBase | ParallelLMHead):
                 if isinstance(module, ParallelLMHead):
                     num_inputs, rows = module.embedding_dim, module.org_vocab_size
-                else:
-                    num_inputs, rows = module.input_size_per_partition, None
+                else:  # a replicated layer (an MoE router) has no partitions
+                    num_inputs = getattr(module, "input_size_per_partition", module.input_size)
+                    rows = None
                 dtype = dtype or (module.weight.dtype if module.weight.numel() else module.params_dtype)
                 picked = fingerprint.columns(num_inputs)
                 if hasattr(module, "cpu_linear"):
@@ -202,6 +265,11 @@ class ServedWeights:
                     served[f"{name}.bias"] = fingerprint.of_tensor(module.bias)
             elif isinstance(module, VocabParallelEmbedding):
                 served[f"{name}.weight"] = fingerprint.of_tensor(module.weight[: module.org_vocab_size])
+            elif isinstance(module, RoutedExperts):
+                experts = served_experts(module)
+                if isinstance(experts, str):
+                    return {"unsupported": experts}
+                served |= experts
             else:
                 for param_name, param in module.named_parameters(recurse=False):
                     served[f"{name}.{param_name}"] = fingerprint.of_tensor(param)
@@ -214,6 +282,48 @@ class ServedWeights:
                     f"engine {config.data_parallel_index} computes with other weights: {difference}"
                 )
         return answer
+
+
+def served_experts(module) -> dict[str, list[float]] | str:
+    """{"<layer>.gate_up_proj" and "<layer>.down_proj": fingerprint} of the expert weights (experts, outputs,
+    inputs) a mixture-of-experts kernel reads, as transformers names and stacks them (what rl.py writes),
+    or why they cannot be read here.
+
+    vLLM's w13 is transformers' gate_up_proj (gate rows, then up rows). Triton's kernels read the weights
+    as loaded; the CPU build's kernels read a copy packed once after loading (a permutation of the entries,
+    the intermediate size zero-padded to its alignment), so the picked columns are found by packing a mask
+    the same way. Other backends shuffle or quantize the weights, and expert parallel engines hold some
+    experts only."""
+    import torch
+    from vllm import _custom_ops
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+
+    from lib import fingerprint
+
+    if module.local_num_experts != module.global_num_experts:
+        return "expert parallel engines hold some of the experts each"
+    backend = getattr(module.quant_method, "unquantized_backend", None)
+    readable = (UnquantizedMoeBackend.TRITON, UnquantizedMoeBackend.BATCHED_TRITON, UnquantizedMoeBackend.CPU)
+    if backend not in readable:
+        return f"the experts' weights are in the {getattr(backend, 'value', 'quantized')} backend's layout"
+    kernel = getattr(getattr(module.quant_method, "moe_kernel", None), "fused_experts", None)
+    packed = isinstance(kernel, CPUUnquantizedExperts) and not kernel._use_zentorch
+    intermediate = module.moe_config.intermediate_size_per_partition  # before the CPU build's padding
+    served = {}
+    for weight, part, num_inputs in (
+        (module.w13_weight, "gate_up_proj", module.hidden_size),
+        (module.w2_weight, "down_proj", intermediate),
+    ):
+        picked = fingerprint.columns(num_inputs).to(weight.device)  # padding columns come after these
+        if packed:
+            mask = torch.zeros_like(weight)
+            mask[..., picked] = 1
+            values = weight[_custom_ops.cpu_prepack_moe_weight(mask, kernel.isa) != 0]
+        else:
+            values = weight.index_select(-1, picked)
+        served[f"{module.layer_name}.{part}"] = fingerprint.of_values(values)
+    return served
 
 
 def vllm_environment(

@@ -28,9 +28,12 @@ Usage:
 """
 
 import dataclasses
+import sys
 from pathlib import Path
 from typing import Literal
 
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # finds lib/ outside the virtualenv too
+import lib.venv  # noqa: F401  (first: says which python to use when the dependencies are missing)
 from lib.config import UserError, given_api_key, parse, run_main
 from lib.model import ModelConfig
 from lib.vllm import VllmConfig
@@ -54,7 +57,8 @@ class Config:
     weights_root: Path = Path("outputs")
     """reload_weights only accepts directories under this root."""
     max_batch_size: int = 64
-    """Builtin engine: most sequences decoded together."""
+    """Most sequences decoded together: the builtin engine, and vLLM's CPU build (--max-num-seqs), whose KV
+    cache is sized to hold that many sequences of max_model_len tokens (--vllm.cpu-kv-cache-gib)."""
     max_model_len: int | None = None
     """Longest prompt + completion a request may ask for, both engines (None = the model's own limit)."""
     seed: int = 0
@@ -95,6 +99,13 @@ def choose_engine(requested: str) -> tuple[str, str]:
     return "vllm", "auto: vLLM is installed and CUDA is visible"
 
 
+def serving_dtype(model: ModelConfig) -> str:
+    """model.dtype, with auto resolved as the trainer resolves it: bfloat16 on CUDA, float32 on a CPU."""
+    from lib.model import resolve_device, resolve_dtype
+
+    return str(resolve_dtype(model, resolve_device(model))).removeprefix("torch.")
+
+
 def main(cfg: Config) -> None:
     import logging
     import shlex
@@ -115,6 +126,10 @@ def main(cfg: Config) -> None:
             )
     engine, reason = choose_engine(cfg.engine)
     log.info("engine: %s (%s)", engine, reason)
+    # One rule for both engines (and the trainer's, lib/model.py): vLLM's own auto serves bfloat16 on a CPU
+    # where the builtin engine serves float32, and the two must compare in one dtype.
+    dtype = serving_dtype(cfg.model)
+    log.info("dtype: %s (--model.dtype %s)", dtype, cfg.model.dtype)
 
     # ------------------------------------------------------------ vLLM: hand the process over
     if engine == "vllm":
@@ -128,18 +143,32 @@ def main(cfg: Config) -> None:
                 "backend): serve with --engine torch, or leave --return-sampling-mask off and recompute."
             )
 
+        kv_cache_bytes = max_num_seqs = None
+        if not torch.cuda.is_available():  # the CPU build: memory for this model, not 90% of RAM
+            import psutil
+
+            from lib.vllm import cpu_kv_cache
+
+            free = psutil.virtual_memory().available
+            kv_cache_bytes, plan = cpu_kv_cache(
+                cfg.model.name, dtype, cfg.max_model_len, cfg.max_batch_size, cfg.vllm, free
+            )
+            max_num_seqs = cfg.max_batch_size
+            log.info("KV cache: %s", plan)
         command = vllm_command(
             cfg.model.name,
             served_model_name,
             cfg.host,
             cfg.port,
-            cfg.model.dtype,
+            dtype,
             cfg.seed,
             cfg.vllm,
             cfg.max_logprobs,
             cfg.max_model_len,
             cfg.max_lora_rank,
             cfg.return_sampling_mask,
+            cpu_kv_cache_bytes=kv_cache_bytes,
+            max_num_seqs=max_num_seqs,
         )
         env = vllm_environment(api_key, cfg.vllm, lora=cfg.max_lora_rank > 0)
         shown = {k: v for k, v in env.items() if k.startswith("VLLM_") and k != "VLLM_API_KEY"}
@@ -153,7 +182,8 @@ def main(cfg: Config) -> None:
     from lib.server.engine import Engine
     from lib.server.routes import build_app
 
-    engine = Engine(cfg.model, cfg.max_batch_size, cfg.max_model_len, cfg.seed)
+    served = dataclasses.replace(cfg.model, dtype=dtype)
+    engine = Engine(served, cfg.max_batch_size, cfg.max_model_len, cfg.seed)
     app = build_app(
         engine,
         served_model_name,

@@ -150,3 +150,80 @@ def test_a_bf16_run_at_lr_3e_6_passes_and_stops_on_a_stale_server_the_probe_pass
         answer, scored, answer.label, probing.BF16_PROBE_TOLERANCE, f"after step {stale[1]}"
     )
     print(f"the probe's mean |logprob difference| from a stale server: {difference:.3g}")
+
+
+def write_tiny_moe(directory):
+    """A tiny random Qwen3-MoE with the tiny model's tokenizer: transformers keeps its experts as fused 3-D
+    weights (experts.gate_up_proj, experts.down_proj), and rl.py writes them so."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from lib.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        dtype="float32",
+    )
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def test_a_moe_models_expert_weights_are_checked_and_a_stale_expert_is_named(tmp_path, monkeypatch):
+    from lib import sync
+    from lib.model import LoraConfig, ModelConfig, load_tokenizer, load_trainable
+
+    moe, root = write_tiny_moe(tmp_path / "moe"), tmp_path / "run"
+    model, save_dtype, autocast = load_trainable(
+        ModelConfig(name=str(moe)), LoraConfig(), device="cpu", world_size=1, packing=True
+    )
+    assert model.model.layers[0].mlp.experts.down_proj.ndim == 3
+    extra_args = ["--model.dtype", "float32"]
+    with inference.running_server(
+        str(moe), engine="torch", weights_root=root, log_path=tmp_path / "serve.log", extra_args=extra_args
+    ) as running:
+        servers = sync.Servers([running.url], [inference.served_model(running.url)])
+        settings = dict(tokenizer=load_tokenizer(str(moe)), save_dtype=save_dtype, autocast=autocast)
+        settings |= dict(servers=servers, keep_weights=2, merged=False)
+        _, difference = sync.publish(root, 0, model, when="at 0", **settings)
+        assert difference < 1e-3
+        with torch.no_grad():
+            model.model.layers[1].mlp.experts.down_proj[3, 5, 7] += 1e-3  # one entry of one expert moves
+        keep_serving(monkeypatch, root / "weights" / "step_0")
+        with pytest.raises(
+            UserError, match=r"first differing weight is model\.layers\.1\.mlp\.experts\.down_proj \(sum"
+        ):
+            sync.publish(root, 1, model, when="at 1", **settings)
+
+
+def test_a_moe_model_is_refused_on_vllms_cpu_build_before_anything_starts(tiny_dir, tmp_path, monkeypatch):
+    moe = write_tiny_moe(tmp_path / "moe")
+    monkeypatch.setattr(inference, "start_server", lambda *args, **kwargs: pytest.fail("a server started"))
+    args = ["@", str(ROOT / "configs/tiny/rl.toml"), "--model.name", str(moe), "--model.device", "cpu"]
+    args += ["--output-dir", str(tmp_path / "run"), "--inference.engine", "vllm"]
+    with pytest.raises(UserError) as refused:
+        rl.main(parse(rl.Config, args))
+    message = str(refused.value)
+    assert "mixture of experts" in message and "--inference.engine torch" in message, message
+    assert "\n" not in message and not (tmp_path / "run").exists()
+    # What can work goes on: the builtin engine, LoRA adapters (the weights never reload), a dense model.
+    config = parse(rl.Config, args)
+    inference.check_full_sync(config.inference, config.model, "cpu", adapter=True)
+    dense = parse(rl.Config, [*args, "--model.name", str(tiny_dir)])
+    inference.check_full_sync(dense.inference, dense.model, "cpu", adapter=False)
+    builtin = parse(rl.Config, [*args, "--inference.engine", "torch"])
+    inference.check_full_sync(builtin.inference, builtin.model, "cpu", adapter=False)

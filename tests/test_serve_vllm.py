@@ -101,10 +101,15 @@ def test_bad_vllm_settings_are_one_sentence_errors(kwargs):
 
 
 def test_serve_main_hands_the_process_to_vllm_with_the_config(monkeypatch):
+    import torch
+
+    import lib.tasks
     import lib.vllm
 
     serve = load_script("serve")
     started = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # GPU vLLM: no CPU KV cache sizing
+    monkeypatch.setattr(lib.tasks, "hub_reachable", lambda: True)  # a GPU machine with the hub: MODEL is an id
     monkeypatch.setattr(lib.vllm, "exec_vllm", lambda cmd, env: started.update(command=cmd, env=env))
     monkeypatch.setenv("PLAINRL_API_KEY", "from-env")
     argv = ["--model.name", MODEL, "--engine", "vllm", "--port", "9000", "--model.dtype", "bfloat16"]
@@ -118,6 +123,63 @@ def test_serve_main_hands_the_process_to_vllm_with_the_config(monkeypatch):
         *COMMON_TAIL,
     ]  # fmt: skip
     assert started["env"]["VLLM_API_KEY"] == "from-env" and started["env"]["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+def start_on_cpu(monkeypatch, argv: list[str], free_bytes: int = 16 * 2**30) -> dict:
+    """What serve.py hands to vLLM on a machine without CUDA (the CPU build) with `free_bytes` of free memory."""
+    import psutil
+    import torch
+
+    import lib.vllm
+
+    serve = load_script("serve")
+    started = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(lib.vllm, "exec_vllm", lambda cmd, env: started.update(command=cmd, env=env))
+    free = psutil.virtual_memory()._replace(available=free_bytes)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: free)
+    serve.main(parse(serve.Config, ["--engine", "vllm", *argv]))
+    return started
+
+
+def flag(command: list[str], name: str) -> str | None:
+    return command[command.index(name) + 1] if name in command else None
+
+
+def test_the_cpu_build_serves_the_trainers_dtype_with_a_kv_cache_sized_to_the_model(tiny_dir, monkeypatch):
+    from lib.vllm import CPU_KV_CACHE_FLOOR
+
+    per_token = 2 * 2 * 2 * 32 * 4  # keys and values x 2 layers x 2 heads x 32 wide x float32
+    command = start_on_cpu(monkeypatch, ["--model.name", str(tiny_dir), "--max-model-len", "2048"])["command"]
+    # auto is the builtin engine's and the trainer's dtype on a CPU (vLLM's own auto would serve bfloat16).
+    assert flag(command, "--dtype") == "float32"
+    assert flag(command, "--max-num-seqs") == "64"  # --max-batch-size, as the builtin engine's
+    assert per_token * 2048 * 64 < CPU_KV_CACHE_FLOOR  # the tiny model gets the floor
+    assert flag(command, "--kv-cache-memory-bytes") == str(CPU_KV_CACHE_FLOOR)
+    argv = ["--model.name", str(tiny_dir), "--max-model-len", "2048", "--max-batch-size", "512"]
+    command = start_on_cpu(monkeypatch, argv)["command"]
+    assert flag(command, "--kv-cache-memory-bytes") == str(per_token * 2048 * 512)
+    # Short of memory, the cache shrinks to half of what is free beside the weights, never below one sequence.
+    weights = sum(path.stat().st_size for path in tiny_dir.glob("*.safetensors"))
+    command = start_on_cpu(monkeypatch, argv, free_bytes=weights + 2 * 2**29)["command"]
+    assert flag(command, "--kv-cache-memory-bytes") == str(2**29)
+    command = start_on_cpu(monkeypatch, [*argv, "--model.dtype", "bfloat16"])["command"]
+    assert flag(command, "--dtype") == "bfloat16"
+    assert flag(command, "--kv-cache-memory-bytes") == str(per_token // 2 * 2048 * 512)
+
+
+def test_a_cpu_build_without_the_memory_it_needs_stops_in_one_sentence(tiny_dir, monkeypatch):
+    from lib.config import UserError
+
+    for argv, free_bytes in (
+        (["--vllm.cpu-kv-cache-gib", "100000"], 16 * 2**30),  # an absurd request
+        ([], 2**20),  # the weights and one sequence's KV cache take more than is free
+    ):
+        with pytest.raises(UserError) as error:
+            start_on_cpu(monkeypatch, ["--model.name", str(tiny_dir), *argv], free_bytes)
+        message = str(error.value)
+        assert message.startswith("vLLM's CPU build cannot start:") and "GiB of memory is free" in message
+        assert "\n" not in message
 
 
 def test_exec_runs_the_vllm_cli_through_plainrls_entry(monkeypatch):
