@@ -2,7 +2,10 @@
 
 import contextlib
 import dataclasses
+import functools
+import os
 import re
+import sys
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -17,6 +20,10 @@ class ModelConfig:
     """Hugging Face hub id (e.g. Qwen/Qwen3-0.6B) or a local Hugging Face directory (`make tiny` writes one)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Weights and compute dtype; auto = bfloat16 on CUDA, float32 on CPU."""
+    autocast: Literal["auto", "on", "off"] = "auto"
+    """The trainer's forward under bf16 autocast over float32 master weights. auto = on CUDA unless model.dtype
+    is float32; on a CPU with native bf16 (AVX512-BF16 or AMX) when model.dtype is auto and the hidden size
+    is >= 256 (narrower models train faster in float32)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to run; auto = CUDA when available."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
@@ -45,6 +52,34 @@ def resolve_dtype(config: ModelConfig, device: str):
     return getattr(torch, config.dtype)
 
 
+# Below this hidden size bf16 autocast trains no faster than float32 on a CPU, even with native bf16: the casts
+# cost what the small matmuls gain. SFT steps of 1024 tokens, 2 layers, one thread (AMX), tokens per CPU second
+# bf16 autocast over float32: hidden 64 (the tiny model) 0.86x, 128 0.99x, 256 1.41x, 576 1.96x
+# (benchmarks/bench_limits.py's trainer rows; docs/benchmarks.md).
+CPU_BF16_MIN_HIDDEN_SIZE = 256
+
+
+@functools.cache
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX); elsewhere oneDNN emulates it, slower
+    than float32. Linux only: other systems train in float32."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.is_file():
+        return False
+    flags = set(re.findall(r"\w+", "\n".join(re.findall(r"^flags\s*:(.*)$", cpuinfo.read_text(), re.M))))
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def trains_in_bf16(config: ModelConfig, device: str, hidden_size: int) -> bool:
+    """Whether the trainer runs its forward under bf16 autocast (model.autocast)."""
+    if config.autocast != "auto":
+        return config.autocast == "on"
+    if device.startswith("cuda"):
+        return config.dtype != "float32"
+    # bf16 weights on a CPU stay as they are; float32 asked for is float32.
+    return config.dtype == "auto" and cpu_has_bf16() and hidden_size >= CPU_BF16_MIN_HIDDEN_SIZE
+
+
 def check_model_name(name: str) -> None:
     """A path-looking name that does not exist is a typo, not a hub id: say so before any heavy work."""
     looks_local = name.startswith((".", "/", "~")) or name.startswith("outputs") or Path(name).exists()
@@ -55,6 +90,39 @@ def check_model_name(name: str) -> None:
         else:
             hint = " (run `make tiny` to create it)" if "tiny" in name else ""
         raise UserError(f"model.name {name} is not a Hugging Face model directory{hint}.")
+    if not looks_local:
+        check_hub(name)
+
+
+def check_hub(name: str) -> None:
+    """A hub id needs the hub, or a copy in the local cache. Asked once, up front: unreachable, each of
+    huggingface_hub's requests would retry for half a minute before its error. A cached copy is then loaded
+    offline (HF_HUB_OFFLINE, for the servers this process starts too), and the run says so."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from lib.tasks import hub_reachable
+
+    if hub_reachable():
+        return
+    reason = (
+        "HF_HUB_OFFLINE is set"
+        if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+        else f"the Hugging Face hub ({os.environ.get('HF_ENDPOINT', constants.ENDPOINT)}) is unreachable"
+    )
+    try:
+        cached = huggingface_hub.try_to_load_from_cache(name, "config.json")
+    except ValueError:  # huggingface_hub's HFValidationError: no such id can exist
+        raise UserError(f"model.name {name} is neither a local model directory nor a hub id") from None
+    if not isinstance(cached, str):
+        raise UserError(
+            f"could not load {name}: {reason} and it is not in the local cache ({constants.HF_HUB_CACHE}); "
+            f"give a local model directory, or download it where the hub is reachable"
+        )
+    if not constants.HF_HUB_OFFLINE:
+        print(f"{reason}: loading {name} from the local cache (HF_HUB_OFFLINE=1)", file=sys.stderr)
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    constants.HF_HUB_OFFLINE = True  # huggingface_hub read the variable when it was imported
 
 
 @contextlib.contextmanager
@@ -144,8 +212,8 @@ def load_trainable(
     """The model ready to train: float32 master weights, LoRA if asked, packed-row attention, FSDP2 over ranks.
 
     Returns (model, save_dtype, autocast): the weights are saved in the dtype the model is meant to run
-    in (bf16 on CUDA by default) and `autocast()` runs the forward in bf16 on CUDA (unless model.dtype
-    is float32), a no-op on CPU.
+    in (bf16 on CUDA by default, float32 on CPU) and `autocast()` runs the forward in bf16 where
+    trains_in_bf16 says so, else is a no-op.
     """
     import contextlib
 
@@ -155,12 +223,12 @@ def load_trainable(
     from lib.head import use_chunked_head
     from lib.packing import use_packed_attention
 
-    # bf16 compute on CUDA over float32 master weights, unless float32 was asked for explicitly.
-    bf16_compute = device.startswith("cuda") and model_config.dtype != "float32"
     train_config = dataclasses.replace(
         model_config, dtype="float32" if model_config.dtype == "auto" else model_config.dtype
     )
     model = load_model(train_config, device)
+    # bf16 compute over float32 master weights: AdamW's small updates survive, which bf16 weights round away.
+    bf16_compute = trains_in_bf16(model_config, device, model.config.get_text_config().hidden_size)
     if packing and model_config.attn_implementation == "sdpa":
         use_packed_attention(model)  # flash_attention_2 reads packed rows natively; eager gets a dense mask
     if activation_checkpointing:
@@ -178,9 +246,11 @@ def load_trainable(
     use_chunked_head(model)  # training scores tokens without (tokens, vocabulary) logits (lib/head.py)
     model.train()
     if world_size > 1:
-        dist.shard(model, bf16=bf16_compute)
+        # On CPUs the ranks gather float32 (gloo), and autocast casts as on one process.
+        dist.shard(model, bf16=bf16_compute and device.startswith("cuda"))
+    device_type = device.split(":")[0]
 
     def autocast():
-        return torch.autocast("cuda", dtype=torch.bfloat16) if bf16_compute else contextlib.nullcontext()
+        return torch.autocast(device_type, dtype=torch.bfloat16) if bf16_compute else contextlib.nullcontext()
 
-    return model, resolve_dtype(model_config, device.split(":")[0]), autocast
+    return model, resolve_dtype(model_config, device_type), autocast

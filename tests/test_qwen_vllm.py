@@ -67,6 +67,8 @@ def test_a_tied_qwen3_goes_sft_eval_rl_through_vllm_with_the_qwen3_renderer(
         rl_args += ["--output-dir", str(tmp_path / "rl"), "--inference.urls", server.url]
         rl_args += ["--env.id", "letter_taskset", "--examples-per-step", "2", "--rollouts-per-example", "4"]
         rl_args += ["--sampling.max-tokens", "16", "--max-async-level", "0", "--steps", "2"]
+        # float32 on both sides, as the server: at hidden 256 a bf16 CPU would train under bf16 autocast.
+        rl_args += ["--model.dtype", "float32"]
         result = rl.main(parse(rl.Config, rl_args))
         # This server runs without runtime LoRA: a LoRA run stops at its first adapter load, in one sentence.
         with pytest.raises(UserError) as stopped:
