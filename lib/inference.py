@@ -9,12 +9,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Literal
 
 import httpx
 
+from lib import rundir
 from lib.config import UserError
 from lib.model import ModelConfig
 
@@ -152,43 +154,56 @@ def check_servers(urls: list[str], api_key: str | None = None, timeout: float = 
 # A client waiting on a server that has been paused this long by someone else (a controller killed between
 # /pause and /resume, any client's POST /pause) stops with one sentence instead of waiting forever.
 PAUSED_PATIENCE_S = 60.0
+# How often a server seen paused is asked again: a pause counts only while no answer says it ended, so a
+# server that another run pauses briefly at every step (its reloads) never adds up to PAUSED_PATIENCE_S.
+PAUSE_POLL_S = 0.1
 
 
 class PauseWatch:
-    """Tracks how long each server has answered GET /is_paused with true (both engines serve it, without a
-    key), while this process waits on them: rl.py while the producer's take() waits, eval.py while its
-    rollouts run."""
+    """Stops a client that waits on servers someone else keeps paused: rl.py while the producer's take()
+    waits, eval.py and rl.py's evaluations while their rollouts run. Both engines answer GET /is_paused
+    without a key.
+
+    A server seen paused is asked again every PAUSE_POLL_S until it says otherwise. One answer per check
+    (every HEALTH_EVERY_S) could not tell one long pause from brief ones that every check landed in."""
 
     def __init__(self, urls: list[str], api_key: str | None = None, patience: float | None = None):
         self.urls, self.api_key = urls, api_key
         self.patience = PAUSED_PATIENCE_S if patience is None else patience
-        self.paused_since: dict[str, float] = {}
+        self.stop = threading.Event()
+        """Set when the caller stopped waiting (Ctrl-C): a check polling in another thread then returns."""
 
     def check(self, own_sync: bool = False) -> None:
-        """A UserError naming the first server paused for `patience` seconds; a server that cannot say is
-        left to the health check. With `own_sync` (this process's reload in flight) it forgets what it saw."""
+        """Returns once no server is paused; a UserError names the first one paused for `patience` seconds
+        without a break. A server that cannot say is left to the health check. With `own_sync` (this
+        process's reload in flight) it returns at once: the thread that calls it is the one that starts
+        reloads, so none starts while it watches."""
         if own_sync:
-            self.paused_since.clear()
             return
-        now = time.monotonic()
-        for url in self.urls:
-            root = root_url(url)
-            try:
-                paused = httpx.get(
-                    f"{root}/is_paused", headers=headers(self.api_key), timeout=5.0, verify=ssl_context()
-                ).json()
-            except (httpx.HTTPError, ValueError):
-                continue
-            if not (isinstance(paused, dict) and paused.get("is_paused") is True):
-                self.paused_since.pop(url, None)
-                continue
-            since = self.paused_since.setdefault(url, now)
-            if now - since >= self.patience:
-                raise UserError(
-                    f"the inference server {root} has been paused for {now - since:.0f} s by another client "
-                    f"(a controller stopped between /pause and /resume?): nothing it was asked will finish; "
-                    f"resume it with `curl -X POST {root}/resume` (with its key) or restart it"
-                )
+        with httpx.Client(headers=headers(self.api_key), timeout=5.0, verify=ssl_context()) as http:
+            for url in self.urls:
+                root = root_url(url)
+                began = time.monotonic()
+                while is_paused(http, root):
+                    paused_seconds = time.monotonic() - began
+                    if paused_seconds >= self.patience:
+                        raise UserError(
+                            f"the inference server {root} has been paused for {paused_seconds:.0f} s by "
+                            f"another client (a controller stopped between /pause and /resume?): nothing it "
+                            f"was asked will finish; resume it with `curl -X POST {root}/resume` (with its "
+                            f"key) or restart it"
+                        )
+                    if self.stop.wait(PAUSE_POLL_S):
+                        return
+
+
+def is_paused(http: httpx.Client, root: str) -> bool:
+    """Whether the server answers GET /is_paused with true (False when it cannot say)."""
+    try:
+        paused = http.get(f"{root}/is_paused").json()
+    except (httpx.HTTPError, ValueError):
+        return False
+    return isinstance(paused, dict) and paused.get("is_paused") is True
 
 
 async def unless_paused(coroutine, watch: PauseWatch, every: float | None = None):
@@ -197,16 +212,19 @@ async def unless_paused(coroutine, watch: PauseWatch, every: float | None = None
     import asyncio
 
     task = asyncio.ensure_future(coroutine)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=HEALTH_EVERY_S if every is None else every)
-        if done:
-            return task.result()
-        try:
-            await asyncio.to_thread(watch.check)
-        except UserError:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            raise
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=HEALTH_EVERY_S if every is None else every)
+            if done:
+                return task.result()
+            try:
+                await asyncio.to_thread(watch.check)
+            except UserError:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise
+    finally:
+        watch.stop.set()  # else asyncio.run waits, after Ctrl-C, for a check still polling in its thread
 
 
 def check_base_url(base_url: str, name: str = "the base URL") -> str:
@@ -243,6 +261,16 @@ def model_card(base_url: str, api_key: str | None = None) -> dict:
         raise UserError(f"{base_url}/models does not list a model: is it an inference server?") from None
 
 
+def check_reachable(base_url: str, api_key: str | None = None) -> None:
+    """A one-sentence UserError when nothing answers at base_url (refused, unknown host, no answer in 30 s).
+    Any HTTP answer passes: an endpoint need not serve /models, and its own errors say more."""
+    base_url = check_base_url(base_url)
+    try:
+        httpx.get(f"{base_url}/models", headers=headers(api_key), timeout=30, verify=ssl_context())
+    except httpx.HTTPError as error:
+        raise UserError(f"cannot reach the inference server {base_url} ({error})") from None
+
+
 def root_url(base_url: str) -> str:
     """http://host:port/v1 -> http://host:port (where /health and the admin routes live)."""
     return base_url.rstrip("/").removesuffix("/v1")
@@ -264,6 +292,26 @@ def serves_kept_sets(engine: str, device: str) -> bool:
     vLLM on GPUs (--return-sampling-mask needs Model Runner V2, which vLLM 0.32's CPU build cannot run).
     engine auto picks the builtin engine where no GPU is visible."""
     return not (engine == "vllm" and device == "cpu")
+
+
+def check_full_sync(config: InferenceConfig, model: ModelConfig, device: str, adapter: bool) -> None:
+    """Refuses, before anything starts, the server rl.py would start that cannot take full weights: vLLM's
+    CPU build packs a mixture of experts' weights once, and its in-place reload copies the new ones in
+    unpacked (measured: greedy tokens off transformers' from the first reload; docs/server.md)."""
+    if config.urls or config.engine != "vllm" or device != "cpu" or adapter:
+        return
+    from transformers import AutoConfig
+
+    from lib.model import loading
+
+    with loading(model.name):
+        text = AutoConfig.from_pretrained(model.name).get_text_config()
+    if any(getattr(text, name, None) for name in ("num_experts", "num_local_experts", "n_routed_experts")):
+        raise UserError(
+            f"{model.name} is a mixture of experts, whose weights vLLM's CPU build garbles on every reload: "
+            "train it with --inference.engine torch on CPU, or with LoRA adapters (--inference.lora-sync "
+            "adapter)."
+        )
 
 
 def start_server(
@@ -374,7 +422,7 @@ def start_or_attach(
             config.engine,
             api_key,
             weights_root=run_dir.resolve(),
-            log_path=run_dir / "server.log",
+            log_path=run_dir / rundir.SERVER_LOG,
             extra_args=[
                 # The trainer's dtype (auto: float32 on CPU, bfloat16 on CUDA), so the two agree.
                 *("--model.dtype", model.dtype if model.dtype != "auto" else trainer_dtype),

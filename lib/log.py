@@ -1,13 +1,16 @@
-"""Run logs, rank 0 only: tensorboard always, Weights & Biases when asked, a progress bar and console lines."""
+"""Run logs, rank 0 only: tensorboard and metrics.jsonl always, Weights & Biases when asked, a progress bar and
+console lines."""
 
 import dataclasses
 import html
 import importlib.util
 import json
+import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
-from lib import dist
+from lib import dist, rundir
 from lib.config import UserError
 
 WANDB_INSTALL = "pip install wandb (or: pip install -r requirements.lock, which has it)"
@@ -50,7 +53,7 @@ def start_wandb(cfg: WandbConfig, run_dir: Path, config: dict, resume: bool = Fa
         return None
     import wandb
 
-    id_file = Path(run_dir) / "wandb_id"
+    id_file = Path(run_dir) / rundir.WANDB_ID
     run_id = id_file.read_text().strip() if resume and id_file.exists() else uuid.uuid4().hex[:8]
     id_file.parent.mkdir(parents=True, exist_ok=True)
     id_file.write_text(run_id + "\n")
@@ -109,12 +112,47 @@ def fmt(value: float) -> str:
     return f"{value:.3e}" if value and (abs(value) < 1e-3 or abs(value) >= 1e5) else f"{value:.4g}"
 
 
-class RunLog:
-    """Rank 0 writes tensorboard events to run_dir/tb and draws the bar; other ranks do nothing.
+def thousands(value: float) -> str:
+    """850, 2.3k, 12k."""
+    return f"{value:.0f}" if value < 1000 else f"{value / 1000:.{1 if value < 10_000 else 0}f}k"
 
-    Events past `start_step` from an earlier, interrupted run are discarded so a resumed run's curves
-    do not overlap. Console lines are printed every `print_every` steps; the bar is drawn only on a
-    terminal, so a log file gets the lines alone.
+
+def shorten(text: str, width: int) -> str:
+    """`text` on one line, cut to `width` characters."""
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def rl_line(values: dict[str, float], previous: dict[str, float] | None) -> str:
+    """rl.py's console line: the reward and its change since the previous step (a mixture's per environment),
+    the step's seconds and what it waited for (an evaluation among them), and tokens per second. Every other
+    metric: tensorboard."""
+    reward = values["reward/mean"]
+    line = f"reward {reward:.3f}" + (f" ({reward - previous['reward/mean']:+.3f})" if previous else "")
+    names = [name.split("/")[1] for name in values if name.startswith("env/") and name.endswith("/groups")]
+    if len(names) > 1:
+        # None: the environment had no group this step.
+        rewards = [(name, values.get(f"env/{name}/reward/mean")) for name in names]
+        line += " [" + ", ".join(f"{name} {'-' if r is None else f'{r:.3f}'}" for name, r in rewards) + "]"
+    rollouts, sync = values["time/wait_rollouts"], values["time/wait_sync"]
+    waits = f"{rollouts:.2f} s for rollouts, {sync:.2f} s for the weight sync"
+    evaluated = [v for name, v in values.items() if name.startswith("eval/") and name.endswith("seconds")]
+    if evaluated:
+        waits += f", {sum(evaluated):.2f} s for the evaluation"
+    return (
+        f"{line}  {values['time/step']:.1f} s: waited {waits}  "
+        f"{thousands(values['perf/rollout_tokens_per_second'])} tokens/s sampled, "
+        f"{thousands(values['perf/tokens_per_second'])} trained"
+    )
+
+
+class RunLog:
+    """Rank 0 writes tensorboard events to run_dir/tb, a line per step to run_dir/metrics.jsonl and draws the
+    bar; other ranks do nothing.
+
+    Events and lines past `start_step` from an earlier, interrupted run are discarded so a resumed run's
+    curves do not overlap. Console lines (`line`'s, by default every value) are printed every `print_every`
+    steps; the bar is drawn only on a terminal, so a log file gets the lines alone.
     """
 
     def __init__(
@@ -126,10 +164,25 @@ class RunLog:
         print_every: int,
         wandb: WandbConfig | None = None,
         config: dict | None = None,
+        line: Callable[[dict[str, float], dict[str, float] | None], str] | None = None,
     ):
-        self.enabled, self.print_every = enabled, print_every
+        self.enabled, self.print_every, self.run_dir = enabled, print_every, Path(run_dir)
         if not enabled:
             return
+        self.total_steps, self.start_step, self.line, self.previous = total_steps, start_step, line, None
+        self.began = time.perf_counter()
+        self.metrics_path = self.run_dir / rundir.METRICS
+        kept = []
+        if self.metrics_path.exists():  # a resumed run's: the steps past its checkpoint go
+            complete = self.metrics_path.read_text().split("\n")[:-1]  # a line cut by a kill has no newline
+            kept = [line for line in complete if json.loads(line)["step"] <= start_step]
+        partial = self.metrics_path.with_name(".metrics.jsonl.partial")
+        partial.write_text("".join(line + "\n" for line in kept))
+        partial.replace(self.metrics_path)
+        self.metrics_file = open(self.metrics_path, "ab")
+        # The last line, which values logged later at the same step join (an evaluation, then its step's).
+        self.last_record = json.loads(kept[-1]) if kept else None
+        self.last_offset = self.metrics_file.tell() - len(kept[-1]) - 1 if kept else 0
         self.wandb_settings = (wandb or WandbConfig(), run_dir, config or {})
         self.wandb = start_wandb(*self.wandb_settings, resume=start_step > 0)
         from rich.console import Console
@@ -137,7 +190,7 @@ class RunLog:
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(
-            str(Path(run_dir) / "tb"), purge_step=start_step + 1 if start_step else None
+            str(Path(run_dir) / rundir.TENSORBOARD), purge_step=start_step + 1 if start_step else None
         )
         console = Console()
         self.progress = Progress(
@@ -153,23 +206,35 @@ class RunLog:
         self.progress.start()
 
     def _record(self, step: int, values: dict[str, float]) -> None:
-        """Every scalar to tensorboard, and to wandb when asked."""
+        """Every scalar to tensorboard and metrics.jsonl, and to wandb when asked."""
         for name, value in values.items():
             self.writer.add_scalar(name, value, step)
         if self.wandb is not None:
             self.wandb.log({**values, STEP_METRIC: step})
+        record = {"step": step, **values}
+        if self.last_record is not None and self.last_record["step"] == step:
+            record = {**self.last_record, **values}
+            self.metrics_file.truncate(self.last_offset)
+        else:
+            self.last_offset = self.metrics_file.tell()
+        self.metrics_file.write((json.dumps(record) + "\n").encode())
+        self.metrics_file.flush()  # `tail -f` and a killed run see every step
+        self.last_record = record
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         """Logs `values` at `step` (1-based: the number of optimizer steps done) and advances the bar."""
         if not self.enabled:
             return
         self._record(step, values)
-        # The last part of a name, but an environment's metrics keep its id (env/<id>/groups: <id>/groups).
-        names = [n.removeprefix("env/") if n.startswith("env/") else n.split("/")[-1] for n in values]
-        summary = "  ".join(f"{name} {fmt(value)}" for name, value in zip(names, values.values()))
+        if self.line is not None:  # with the step's evaluation, which came first (its seconds are the step's)
+            summary = self.line(self.last_record, self.previous)
+        else:  # the last part of a name, but an environment's metrics keep its id (env/<id>/groups: <id>/groups)
+            names = [n.removeprefix("env/") if n.startswith("env/") else n.split("/")[-1] for n in values]
+            summary = "  ".join(f"{name} {fmt(value)}" for name, value in zip(names, values.values()))
+        self.previous = values
         self.progress.update(self.task, completed=step, metrics=summary)
         if step % self.print_every == 0:
-            say(f"step {step}  {summary}")
+            say(f"step {step}/{self.total_steps}  {summary}")
 
     def evaluation(self, step: int, values: dict[str, float]) -> None:
         """Logs an evaluation's eval/* scalars at `step` (0 = before training) with one console line."""
@@ -199,9 +264,44 @@ class RunLog:
 
                 self.wandb.log({tag: wandb.Html(f"<pre>{html.escape(text)}</pre>"), STEP_METRIC: step})
 
+    def sample(self, step: int, prompt: str, completion: str, reward: float) -> None:
+        """A completion and its reward as tensorboard text, and on the console under its prompt's last user
+        message (`prompt` tags each message with its role, as the rollout records do), both shortened."""
+        if self.enabled:
+            self.text(step, "samples", f"reward {reward:.3f}\n\n```\n{completion}\n```")
+            say(
+                f"sample at step {step}, reward {reward:.3f}",
+                f"  user: {shorten(prompt.rpartition('[user] ')[2], 120)}",
+                f"  completion: {shorten(completion, 400)}",
+            )
+
+    def summary(self, history: list[dict], key: str, weights: Path, curve: Path, points=None) -> None:
+        """The run's last lines: `key` at its first and last step, each evaluation series of `points` (as
+        plot_curve takes them) likewise, the minutes, and where the outputs are; the run directory last."""
+        if self.enabled and history:
+            minutes = (time.perf_counter() - self.began) / 60
+            speed = sum(m["perf/tokens_per_second"] for m in history) / len(history)
+            say(
+                f"done: steps {self.start_step + 1}-{self.start_step + len(history)} in {minutes:.1f} min, "
+                f"{thousands(speed)} tokens/s trained on average",
+                f"{key} {history[0][key]:.3f} -> {history[-1][key]:.3f}",
+            )
+            for name, series in (points or {}).items():
+                if series:
+                    steps = f"{len(series)} evaluations, steps {series[0][0]}-{series[-1][0]}"
+                    say(f"{name} {series[0][1]:.3f} -> {series[-1][1]:.3f} ({steps})")
+            say(
+                f"weights:     {weights}",
+                f"curve:       {curve}",
+                f"metrics:     {self.metrics_path}   (a line per step: docs/metrics.md)",
+                f"tensorboard: tensorboard --logdir {self.run_dir / 'tb'}",
+            )
+        say(f"run dir: {self.run_dir}")
+
     def close(self) -> None:
         if self.enabled:
             self.progress.stop()
             self.writer.close()
+            self.metrics_file.close()
             if self.wandb is not None:
                 self.wandb.finish()

@@ -8,8 +8,12 @@ model, decaying to zero in the same 1200 steps gave a worse start, 0.49 against 
 gained less: on a model this small RL mostly sharpens what SFT taught, so it needs a start whose greedy
 answers are already better than its samples.)
 
+Run again, it goes on where it stopped: a stage whose final output is there is skipped, SFT and RL continue
+from their last checkpoint (`--resume`), and a finished demo is left untouched. The settings are kept in
+<out>/demo.toml, and a rerun with other settings into the same directory is refused.
+
 Usage:
-    python scripts/demo.py                       # everything under outputs/demo
+    python scripts/demo.py                       # everything under outputs/demo (again: goes on from there)
     python scripts/demo.py --sft-steps 400 --rl-steps 40 --out outputs/demo2
 """
 
@@ -19,9 +23,15 @@ import shlex
 import subprocess
 import sys
 import time
+import tomllib
+from collections.abc import Callable
 from pathlib import Path
 
-from lib.config import UserError, parse
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # finds lib/ outside the virtualenv too
+import lib.venv  # noqa: F401  (first: says which python to use when the dependencies are missing)
+from lib.config import UserError, parse, run_main, to_dict, write_config
+
+SETTINGS = "demo.toml"  # the settings the demo in a directory was started with
 
 
 @dataclasses.dataclass
@@ -46,32 +56,46 @@ class Config:
             raise UserError("sft_min_lr_ratio must be in [0, 1].")
 
 
+@dataclasses.dataclass
+class Stage:
+    """A step of the demo: `run` makes what `done` looks for, and a rerun skips a stage that is done."""
+
+    name: str
+    done: Callable[[], bool]
+    run: Callable[[], object]
+
+
 def run(*args: str) -> None:
     command = [sys.executable, *args]
     print(f"\n$ python {shlex.join(args)}", flush=True)
-    subprocess.run(command, check=True)
+    code = subprocess.run(command).returncode
+    if code != 0:  # the stage has printed its own error; a traceback from here would only bury it
+        raise UserError(
+            f"the stage `python {shlex.join(args)}` failed with exit code {code} (its output is above)"
+        )
 
 
-def evaluate(cfg: Config, model: Path, name: str) -> dict:
-    run(
-        "scripts/eval.py",
-        "reverse_text",
-        "@",
-        "configs/tiny/eval.toml",
-        "-m",
-        str(model),
-        "-n",
-        str(cfg.eval_examples),
-        "-r",
-        str(cfg.eval_rollouts),
-        "--sampling.temperature",
-        "1.0",
-        "--output-dir",
-        str(cfg.out / "eval"),
-        "--name",
-        name,
-    )
-    return json.loads((cfg.out / "eval" / name / "summary.json").read_text())
+def trained(run_dir: Path, steps: int) -> bool:
+    """Whether sft.py or rl.py finished: the last checkpoint is written after the weights and the rollouts."""
+    return (run_dir / "checkpoints" / f"step_{steps}").is_dir()
+
+
+def evaluated(run_dir: Path) -> bool:
+    """Whether eval.py finished: summary.json comes last, with status "failed" when no episode was scored."""
+    try:
+        return json.loads((run_dir / "summary.json").read_text())["status"] != "failed"
+    except (FileNotFoundError, json.JSONDecodeError):  # not written yet, or cut short by a kill
+        return False
+
+
+def reward(run_dir: Path) -> float:
+    return json.loads((run_dir / "summary.json").read_text())["avg_reward"]
+
+
+def evaluate(cfg: Config, model: Path, run_dir: Path) -> None:
+    args = ["scripts/eval.py", "reverse_text", "@", "configs/tiny/eval.toml", "-m", str(model)]
+    args += ["-n", str(cfg.eval_examples), "-r", str(cfg.eval_rollouts), "--sampling.temperature", "1.0"]
+    run(*args, "--output-dir", str(run_dir.parent), "--name", run_dir.name)
 
 
 def plot(cfg: Config, before: float, after: float) -> Path:
@@ -87,62 +111,97 @@ def plot(cfg: Config, before: float, after: float) -> Path:
         cfg.out / "reward_curve.png",
         steps,
         rewards,
-        "RL rollouts (mean reward per step)",
+        "reward (mean of each RL step's sampled rollouts)",
         "plainrl demo: tiny Qwen3 on reverse_text (CPU)",
-        lines={"eval after SFT": before, "eval after RL": after},
+        lines={"held-out reward after SFT": before, "held-out reward after RL": after},
     )
+
+
+def tiny_stages(cfg: Config) -> list[Stage]:
+    """The tiny model's demo, stage by stage. sft.py and rl.py always get --resume: it continues a killed
+    run from its last checkpoint, and starts at step 0 in an empty directory."""
+    model, sft, rl = cfg.out / "model", cfg.out / "sft", cfg.out / "rl"
+    sft_weights = sft / "weights" / f"step_{cfg.sft_steps}"
+    rl_weights = rl / "weights" / f"step_{cfg.rl_steps}"
+    sft_command = ["scripts/sft.py", "@", "configs/tiny/sft.toml", "--model.name", str(model)]
+    sft_command += ["--steps", str(cfg.sft_steps), "--optim.min-lr-ratio", str(cfg.sft_min_lr_ratio)]
+    # A checkpoint every quarter of the steps: that is the most a killed SFT stage loses.
+    sft_command += ["--checkpoint-every", str(max(1, cfg.sft_steps // 4))]
+    sft_command += ["--output-dir", str(sft), "--resume"]
+    rl_command = ["scripts/rl.py", "@", "configs/tiny/rl.toml", "--model.name", str(sft_weights)]
+    rl_command += ["--steps", str(cfg.rl_steps), "--output-dir", str(rl), "--resume"]
+    after_sft, after_rl = cfg.out / "eval" / "after-sft", cfg.out / "eval" / "after-rl"
+    return [
+        # lib/tiny.py moves the model into place with config.json last: with it, the model is whole.
+        Stage("model", (model / "config.json").is_file, lambda: run("scripts/tiny.py", "--out", str(model))),
+        Stage("sft", lambda: trained(sft, cfg.sft_steps), lambda: run(*sft_command)),
+        Stage("eval after SFT", lambda: evaluated(after_sft), lambda: evaluate(cfg, sft_weights, after_sft)),
+        Stage("rl", lambda: trained(rl, cfg.rl_steps), lambda: run(*rl_command)),
+        Stage("eval after RL", lambda: evaluated(after_rl), lambda: evaluate(cfg, rl_weights, after_rl)),
+        Stage(
+            "reward curve",
+            (cfg.out / "reward_curve.png").is_file,
+            lambda: plot(cfg, before=reward(after_sft), after=reward(after_rl)),
+        ),
+    ]
+
+
+def start_over(out: Path) -> str:
+    how = f"`rm -r {out}` (or `make clean`: all of outputs/)"
+    return f"to start over, {how}, or give another --out DIR (make demo ARGS='--out DIR')"
+
+
+def check_settings(cfg: Config) -> None:
+    """Keeps the settings in out/demo.toml, or refuses a rerun with others: the stages done were made with them."""
+    path = cfg.out / SETTINGS
+    if path.is_file():
+        saved, given = tomllib.loads(path.read_text()), to_dict(cfg)
+        changed = [
+            f"{key} {saved.get(key)!r} there, {given.get(key)!r} now"
+            for key in sorted(saved.keys() | given.keys())
+            if key != "out" and saved.get(key) != given.get(key)  # a moved directory goes on
+        ]
+        if changed:
+            raise UserError(
+                f"{cfg.out} holds a demo run with other settings ({'; '.join(changed)}): {start_over(cfg.out)}"
+            )
+    elif cfg.out.is_dir() and any(cfg.out.iterdir()):
+        raise UserError(  # no `rm -r` hint: what the directory holds may be the user's
+            f"{cfg.out} holds files but no {SETTINGS}, so no demo run this one can go on with: give the demo "
+            "another --out DIR (make demo ARGS='--out DIR'), or move it away"
+        )
+    else:
+        write_config(cfg, path)
 
 
 def main(cfg: Config) -> dict:
     print(f"run dir: {cfg.out}")
     start = time.perf_counter()
-    model = cfg.out / "model"
-    sft_weights = cfg.out / "sft" / "weights" / f"step_{cfg.sft_steps}"
-    rl_weights = cfg.out / "rl" / "weights" / f"step_{cfg.rl_steps}"
+    check_settings(cfg)
+    stages = tiny_stages(cfg)
+    left = [stage for stage in stages if not stage.done()]
+    if not left:
+        print(f"the demo in {cfg.out} is finished: nothing to do, its results are below")
+    elif len(left) < len(stages):
+        done = [stage.name for stage in stages if stage not in left]
+        print(f"going on with the demo in {cfg.out}: {', '.join(done)} done already")
 
     # ------------------------------------------------------------ stages
-    run("scripts/tiny.py", "--out", str(model))
-    run(
-        "scripts/sft.py",
-        "@",
-        "configs/tiny/sft.toml",
-        "--model.name",
-        str(model),
-        "--steps",
-        str(cfg.sft_steps),
-        "--checkpoint-every",
-        str(cfg.sft_steps),
-        "--optim.min-lr-ratio",
-        str(cfg.sft_min_lr_ratio),
-        "--output-dir",
-        str(cfg.out / "sft"),
-    )
-    before = evaluate(cfg, sft_weights, "after-sft")
-    run(
-        "scripts/rl.py",
-        "@",
-        "configs/tiny/rl.toml",
-        "--model.name",
-        str(sft_weights),
-        "--steps",
-        str(cfg.rl_steps),
-        "--output-dir",
-        str(cfg.out / "rl"),
-    )
-    after = evaluate(cfg, rl_weights, "after-rl")
+    for stage in left:
+        stage.run()
 
     # ------------------------------------------------------------ report
-    png = plot(cfg, before["avg_reward"], after["avg_reward"])
+    before, after = reward(cfg.out / "eval" / "after-sft"), reward(cfg.out / "eval" / "after-rl")
     minutes = (time.perf_counter() - start) / 60
-    print(
-        f"\nreward after SFT {before['avg_reward']:.3f} -> after RL {after['avg_reward']:.3f} "
-        f"({minutes:.1f} min)"
-    )
-    print(f"reward curve: {png}")
+    took = f" ({minutes:.1f} min)" if left else ""
+    print(f"\nreward after SFT {before:.3f} -> after RL {after:.3f}{took}")
+    print(f"reward curve: {cfg.out / 'reward_curve.png'}")
     print(f"tensorboard:  .venv/bin/tensorboard --logdir {cfg.out}   (or: make tensorboard)")
+    if not left:
+        print(start_over(cfg.out))
     print(f"run dir: {cfg.out}")
-    return {"before": before["avg_reward"], "after": after["avg_reward"], "minutes": minutes}
+    return {"before": before, "after": after, "minutes": minutes}
 
 
 if __name__ == "__main__":
-    main(parse(Config, description=__doc__))
+    run_main(main, parse(Config, description=__doc__))

@@ -37,9 +37,12 @@ Usage:
 """
 
 import dataclasses
+import sys
 from pathlib import Path
 from typing import Literal
 
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # finds lib/ outside the virtualenv too
+import lib.venv  # noqa: F401  (first: says which python to use when the dependencies are missing)
 from lib.config import StopAfterStep, UserError, given_api_key, parse, run_main
 from lib.envs import EnvConfig
 from lib.evaluation import EvalConfig
@@ -116,9 +119,10 @@ class Config:
     keep_checkpoints: int = 2
     """Resumable checkpoints kept."""
     sample_every: int = 5
-    """Log sample completions to tensorboard every N steps."""
+    """Show a sample completion on the console and in tensorboard every N steps."""
     resume: bool = False
-    """Continue from the newest complete checkpoint in output_dir."""
+    """Continue from the newest complete checkpoint in output_dir (step 0 if there is none yet), with the
+    run's own config: `@` presets are ignored, flags change it (recorded in resumes.jsonl)."""
     seed: int = 0
     """Seed of data order and initialisation-time randomness."""
     peer_timeout: float = 120.0
@@ -158,11 +162,11 @@ def main(cfg: Config) -> dict:
 
     import torch
 
-    from lib import dist, envs, inference, probing, sync
-    from lib.checkpoint import drop_newer, load_checkpoint, open_run, save_checkpoint, servable
+    from lib import dist, envs, inference, probing, rundir, sync
+    from lib.checkpoint import drop_newer, load_checkpoint, open_run, save_checkpoint, servable, step_of
     from lib.config import to_dict
     from lib.head import KeptSets, next_token_scores
-    from lib.log import RunLog, say
+    from lib.log import RunLog, rl_line, say
     from lib.loss import loss_function, token_share
     from lib.mixture import load_mixture
     from lib.model import check_model_name, load_tokenizer, load_trainable, resolve_device
@@ -171,16 +175,27 @@ def main(cfg: Config) -> dict:
     from lib.plot import eval_points, plot_curve
     from lib.producer import Producer
     from lib.rollouts import write_records
+    from lib.tasks import check_env_ids
 
     # ------------------------------------------------------------ config and run directory
     rank, _, world_size = dist.world()
     is_main = rank == 0
     check_model_name(cfg.model.name)
+    check_env_ids(cfg.env)  # a typo ends the run here, before any run directory or server
+    adapter_sync = bool(cfg.lora.rank) and cfg.inference.lora_sync == "adapter"
+    inference.check_full_sync(cfg.inference, cfg.model, resolve_device(cfg.model), adapter=adapter_sync)
     run_dir = cfg.output_dir
-    resume_from = open_run(cfg, is_main, say)
+    # Every rank joins first: rank 0 alone claims the run directory, the others take its answer (open_run).
+    device = dist.init(resolve_device(cfg.model), cfg.peer_timeout)
+    resume_from = open_run(cfg, say)
+    if resume_from and step_of(resume_from) >= cfg.steps:  # before any server or model starts
+        last = servable(run_dir / rundir.WEIGHTS / resume_from.name)
+        done = f"{run_dir} is done: its last checkpoint is step {step_of(resume_from)} of --steps {cfg.steps}"
+        say(f"nothing to do: {done} (a higher --steps trains on)", f"run dir: {run_dir}")
+        dist.close()
+        return {"run_dir": run_dir, "weights": last if last.is_dir() else None, "history": []}
 
     # ------------------------------------------------------------ dist and model
-    device = dist.init(resolve_device(cfg.model), cfg.peer_timeout)
     torch.manual_seed(cfg.seed)
     model, save_dtype, autocast = load_trainable(
         cfg.model,
@@ -239,10 +254,14 @@ def main(cfg: Config) -> dict:
         # -------------------------------------------------------- inference servers and environment (rank 0)
         # Every rank knows whether the adapter alone is written (a collective); rank 0 adds the servers.
         servers, evaluator = sync.Servers(urls=[], names=[], adapter=adapter), None
+        with autocast():  # bf16 on either side, the weights served or the trainer's matmuls, rounds as bf16
+            bf16_trainer = torch.is_autocast_enabled(torch.device(device).type)
         if cfg.inference.probe_tolerance:
             probe_tolerance = cfg.inference.probe_tolerance
+        elif save_dtype == torch.float32 and not bf16_trainer:
+            probe_tolerance = 1e-3
         else:
-            probe_tolerance = 1e-3 if save_dtype == torch.float32 else probing.BF16_PROBE_TOLERANCE
+            probe_tolerance = probing.BF16_PROBE_TOLERANCE
         if is_main:
             api_key = given_api_key(cfg.inference.api_key)
             if api_key is None and not cfg.inference.urls:
@@ -279,7 +298,12 @@ def main(cfg: Config) -> dict:
                 for url, name in zip(urls, names)
             ]
             mixture, evaluator = load_mixture(
-                cfg, url=urls[0], model=names[0], api_key=api_key, out=run_dir / "eval", progress=progress
+                cfg,
+                url=urls[0],
+                model=names[0],
+                api_key=api_key,
+                out=run_dir / rundir.EVAL,
+                progress=progress,
             )
             say(f"{mixture.describe()}; {len(urls)} server(s): {' '.join(urls)}")
 
@@ -350,6 +374,7 @@ def main(cfg: Config) -> dict:
                 start_version=start,
                 seq_len=cfg.seq_len,
                 filter_flat_groups=cfg.filter_flat_groups,
+                served_kept_sets=kept_set == "served",  # a group with a rollout without them is left out
             )
             producer.start()
             cleanup.callback(producer.stop)
@@ -364,6 +389,7 @@ def main(cfg: Config) -> dict:
             print_every=1,
             wandb=cfg.wandb,
             config=to_dict(cfg),
+            line=rl_line,
         )
         cleanup.callback(log.close)
         history, weights, flat_steps, errors_in_run = [], None, 0, 0
@@ -371,7 +397,7 @@ def main(cfg: Config) -> dict:
         def plot() -> None:
             steps, rewards = range(start + 1, start + 1 + len(history)), [m["reward/mean"] for m in history]
             plot_curve(
-                run_dir / "reward_curve.png",
+                run_dir / rundir.REWARD_CURVE,
                 steps=list(steps),
                 values=rewards,
                 label="reward (mean of the step's rollouts)",
@@ -404,11 +430,9 @@ def main(cfg: Config) -> dict:
                 # DAPO's overlong masking: rollouts cut by a token limit leave the step after their group's
                 # advantages, so they carry no loss and count in no normaliser (as TRL's masking does).
                 rollouts = [r for r in batch.rollouts if not (cfg.loss.mask_truncated and r.truncated)]
-                if kept_set == "served" and any(r.kept_counts is None for r in rollouts):
-                    raise UserError(
-                        "kept_set served, but the servers sent no kept set (sampling_mask) with some rollouts: "
-                        "start them with --return-sampling-mask, or pass --kept-set recomputed."
-                    )
+                assert kept_set != "served" or all(r.kept_counts is not None for r in rollouts), (
+                    "the producer lets no rollout without kept sets through"
+                )
                 micro_batches = rl_micro_batches(
                     rollouts,
                     cfg.seq_len,
@@ -521,9 +545,8 @@ def main(cfg: Config) -> dict:
                     )
                 if step_number % cfg.sample_every == 0 or step_number == cfg.steps:
                     sample = max(batch.groups[0], key=lambda r: r.reward)
-                    text = f"reward {sample.reward:.3f}\n\n```\n{sample.completion}\n```"
-                    log.text(step_number, "samples", text)
-                write_records(run_dir / "rollouts" / f"step_{step_number}.jsonl", batch.groups)
+                    log.sample(step_number, sample.prompt, sample.completion, sample.reward)
+                write_records(run_dir / rundir.ROLLOUTS / f"step_{step_number}.jsonl", batch.groups)
 
             # ---------------------------------------------------- checkpoint
             stopping = dist.all_sum(stop.requested, device) > 0  # a Ctrl-C on any rank stops them all here
@@ -549,7 +572,7 @@ def main(cfg: Config) -> dict:
         say(
             "WARNING: no learning signal in any step: every group was flat. Warm the model up with SFT first."
         )
-    say(f"run dir: {run_dir}")
+    log.summary(history, "reward/mean", weights, run_dir / rundir.REWARD_CURVE, eval_points(evaluator))
     dist.close()
     return {"run_dir": run_dir, "weights": weights, "history": history}
 

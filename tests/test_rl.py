@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import ROOT, load_script, tensorboard_scalars, wandb_history
 
-from lib import inference
+from lib import inference, probing
 from lib.config import UserError, parse
 from lib.model import load_tokenizer
 
@@ -256,8 +256,23 @@ def test_on_policy_ratio_is_one_and_the_server_gets_each_step_weights(tiny_dir, 
     assert max(abs(a - b) for a, b in zip(choice["logprobs"]["token_logprobs"], expected)) < 1e-4
 
 
+def test_bf16_autocast_on_cpu_keeps_the_on_policy_ratio_within_bf16_tolerance(tiny_dir, server, tmp_path):
+    # The trainer's matmuls in bf16 over float32 master weights, the server's in float32 on the float32
+    # weights written: only bf16's rounding separates them, as on a GPU (docs/metrics.md: 1 +- 0.01).
+    flags = ("--max-async-level", "0", "--model.autocast", "on")
+    result = rl.main(rl_config(tiny_dir, tmp_path / "run", server.url, *flags))
+    trained = [m for m in result["history"] if m["train/loss"] != 0.0]
+    assert trained, "no step had a learning signal"
+    for metrics in trained:
+        assert abs(metrics["train/importance_ratio"] - 1.0) < 1e-2, metrics
+        assert metrics["train/mismatch_kl"] < 1e-3, metrics
+    # Within the bf16 probe tolerance, and far from float32's agreement (~1e-6): the trainer did score in bf16.
+    differences = [m["sync/probe_logprob_difference"] for m in result["history"]]
+    assert 1e-4 < max(differences) < probing.BF16_PROBE_TOLERANCE, differences
+
+
 def test_eval_during_rl_scores_held_out_tasks_and_every_record_reaches_wandb(
-    tiny_dir, server, tmp_path, monkeypatch
+    tiny_dir, server, tmp_path, monkeypatch, capsys
 ):
     monkeypatch.setenv("WANDB_MODE", "offline")
     out = tmp_path / "run"
@@ -289,6 +304,27 @@ def test_eval_during_rl_scores_held_out_tasks_and_every_record_reaches_wandb(
     assert (out / "reward_curve.png").read_bytes()[:4] == b"\x89PNG"
     provenance = json.loads((out / "provenance.json").read_text())
     assert provenance["servers"] == [{"url": server.url, "command": None, "engine": "plainrl"}]
+
+    # metrics.jsonl: a line per step with tensorboard's scalars, the evaluation's in its step's line.
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    assert [line["step"] for line in lines] == [0, 1, 2, 3]
+    for line in lines:
+        logged = {tag: steps[line["step"]] for tag, steps in scalars.items() if line["step"] in steps}
+        assert {tag: line[tag] for tag in logged} == pytest.approx(logged, rel=1e-6)
+    # The console: a short line per step, a sample at the last step, and a summary that ends the run.
+    console = capsys.readouterr().out.splitlines()
+    steps = [line for line in console if line.startswith("step ")]
+    assert [line.split()[1] for line in steps] == ["1/3", "2/3", "3/3"]
+    assert all(len(line) < 160 and "reward" in line and "waited" in line for line in steps), steps
+    (sample,) = [i for i, line in enumerate(console) if line.startswith("sample at step 3, reward ")]
+    assert console[sample + 1].startswith("  user: Say aaa"), console[sample + 1]
+    assert console[sample + 2].startswith("  completion:"), console[sample + 2]
+    summary = "\n".join(console[-10:])
+    assert f"reward/mean {lines[1]['reward/mean']:.3f} -> {lines[3]['reward/mean']:.3f}" in summary
+    assert f"eval, sampled {lines[0]['eval/reward']:.3f} -> {lines[3]['eval/reward']:.3f}" in summary
+    for path in ("metrics.jsonl", "reward_curve.png", "weights/step_3", "tb"):
+        assert str(out / path) in summary, path
+    assert console[-1] == f"run dir: {out}"
     assert {"torch", "transformers", "verifiers", "vllm"} <= set(provenance["packages"])
 
 
@@ -372,6 +408,8 @@ def test_kill_9_then_resume_continues_from_the_last_checkpoint(tiny_dir, tmp_pat
     # own) follows through PR_SET_PDEATHSIG.
     resumed = kill_at_step_6_then_resume(command, tmp_path, out, env)
     assert "(step 4)" in resumed.stdout
+    # The killed run's steps past checkpoint 4 left metrics.jsonl when the resumed run logged them again.
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").open()] == list(range(1, 9))
     assert (out / "weights" / "step_8").is_dir() and (out / "checkpoints" / "step_8").is_dir()
     leftovers = [p.name for p in out.rglob(".tmp-*")]
     assert leftovers == [], leftovers

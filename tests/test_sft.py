@@ -1,4 +1,5 @@
-"""sft.py end to end on the tiny model: outputs, exact resume, accumulation, LoRA merge, two CPU processes."""
+"""sft.py end to end on the tiny model: outputs, exact resume, accumulation, LoRA merge, two CPU processes,
+bf16 autocast on CPU."""
 
 import json
 import os
@@ -8,6 +9,7 @@ import sys
 import pytest
 import torch
 from conftest import ROOT, load_script, tensorboard_scalars, wandb_history
+from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -69,6 +71,15 @@ def test_outputs_config_weights_checkpoints_and_tensorboard(tiny_dir, data_file,
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0] == lines[-1] == f"run dir: {out}"
     assert losses(result["history"])[-1] < losses(result["history"])[0]
+    # The summary rl.py ends with too: the loss from first to last step, then where everything is.
+    first, last = losses(result["history"])[0], losses(result["history"])[-1]
+    summary = "\n".join(lines[-8:])
+    assert f"train/loss {first:.3f} -> {last:.3f}" in summary
+    for path in ("metrics.jsonl", "loss_curve.png", "weights/step_4", "tb"):
+        assert str(out / path) in summary, path
+    assert [json.loads(line)["train/loss"] for line in (out / "metrics.jsonl").open()] == pytest.approx(
+        losses(result["history"])
+    )
     sft = load_script("sft")
     assert parse(sft.Config, ["@", str(out / "config.toml")]).steps == 4
     assert [p.name for p in (out / "weights").iterdir()] == ["step_4"]  # keep 1
@@ -224,3 +235,44 @@ def test_two_cpu_processes_match_one(tiny_dir, data_file, tmp_path):
     assert two_losses == pytest.approx(losses(one["history"]), rel=1e-5)
     a, b = weights(tmp_path / "one/weights/step_3"), weights(tmp_path / "two/weights/step_3")
     assert all(torch.allclose(a[k], b[k], atol=1e-4) for k in a)
+
+
+def test_bf16_autocast_on_cpu_trains_float32_master_weights_and_tracks_float32s_loss(
+    tiny_dir, data_file, tmp_path
+):
+    float32 = run(*flags(tiny_dir, data_file, tmp_path / "float32", "--model.autocast", "off"))
+    bf16 = run(*flags(tiny_dir, data_file, tmp_path / "bf16", "--model.autocast", "on"))
+    assert losses(bf16["history"])[-1] < losses(bf16["history"])[0]
+    # bf16 matmuls round differently (so they ran), yet AdamW's float32 updates keep the curve on float32's.
+    assert losses(bf16["history"]) != losses(float32["history"])
+    assert losses(bf16["history"]) == pytest.approx(losses(float32["history"]), rel=2e-2)
+    checkpoint = tmp_path / "bf16/checkpoints/step_4"
+    master = torch.load(checkpoint / "model.pt")
+    moments = [
+        value
+        for state in torch.load(checkpoint / "optimizer.pt")["state"].values()
+        for key, value in state.items()
+        if key != "step"
+    ]
+    assert master and all(tensor.dtype == torch.float32 for tensor in master.values())
+    assert moments and all(tensor.dtype == torch.float32 for tensor in moments)
+    # What servers load: model.dtype auto's float32 on a CPU, whatever the trainer computes in.
+    written = load_file(bf16["weights"] / "model.safetensors")
+    assert all(tensor.dtype == torch.float32 for tensor in written.values())
+
+
+def test_autocast_auto_is_bf16_on_a_bf16_cpu_for_wide_models_and_forceable_both_ways(monkeypatch):
+    from lib import model
+    from lib.model import ModelConfig, trains_in_bf16
+
+    wide, narrow = model.CPU_BF16_MIN_HIDDEN_SIZE, model.CPU_BF16_MIN_HIDDEN_SIZE // 2
+    monkeypatch.setattr(model, "cpu_has_bf16", lambda: True)
+    assert trains_in_bf16(ModelConfig(), "cpu", hidden_size=wide)
+    assert not trains_in_bf16(ModelConfig(), "cpu", hidden_size=narrow)  # autocast's casts outweigh its gain
+    assert not trains_in_bf16(ModelConfig(dtype="float32"), "cpu", hidden_size=wide)
+    assert not trains_in_bf16(ModelConfig(autocast="off"), "cpu", hidden_size=wide)
+    monkeypatch.setattr(model, "cpu_has_bf16", lambda: False)  # emulated bf16 is slower than float32
+    assert not trains_in_bf16(ModelConfig(), "cpu", hidden_size=wide)
+    assert trains_in_bf16(ModelConfig(autocast="on"), "cpu", hidden_size=narrow)
+    assert trains_in_bf16(ModelConfig(), "cuda", hidden_size=narrow)
+    assert not trains_in_bf16(ModelConfig(dtype="float32"), "cuda", hidden_size=wide)

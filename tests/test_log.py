@@ -1,0 +1,85 @@
+"""The run log: metrics.jsonl across a resume, rl.py's console lines, samples and the end-of-run summary."""
+
+import json
+
+from lib.log import RunLog, rl_line
+
+
+def metrics_lines(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_metrics_file_keeps_one_line_per_step_across_a_resume(tmp_path):
+    log = RunLog(tmp_path, total_steps=4, start_step=0, enabled=True, print_every=1)
+    log.evaluation(0, {"eval/reward": 0.1})
+    for step in (1, 2, 3):
+        if step == 2:  # rl.py evaluates a step before logging its metrics
+            log.evaluation(2, {"eval/reward": 0.2})
+        log.scalars(step, {"reward/mean": step / 10})
+    log.close()
+    with open(tmp_path / "metrics.jsonl", "a") as file:
+        file.write('{"step": 4, "reward/me')  # killed while writing step 4
+    # Resumed from checkpoint 2: step 3 and the half line go, and the resumed run's evaluation of its
+    # starting weights joins step 2's line.
+    log = RunLog(tmp_path, total_steps=4, start_step=2, enabled=True, print_every=1)
+    log.evaluation(2, {"eval/reward": 0.25})
+    log.scalars(3, {"reward/mean": 0.33})
+    log.scalars(4, {"reward/mean": 0.44})
+    log.close()
+    assert metrics_lines(tmp_path) == [
+        {"step": 0, "eval/reward": 0.1},
+        {"step": 1, "reward/mean": 0.1},
+        {"step": 2, "eval/reward": 0.25, "reward/mean": 0.2},
+        {"step": 3, "reward/mean": 0.33},
+        {"step": 4, "reward/mean": 0.44},
+    ]
+
+
+def test_rl_line_is_short_and_names_reward_change_speed_and_waits():
+    step = {
+        "reward/mean": 0.5,
+        "reward/std": 0.1,
+        "reward/a": 0.5,
+        "env/a/reward/mean": 0.5,
+        "env/a/groups": 4,
+        **{f"train/metric_{i}": 0.1 for i in range(30)},
+        "perf/tokens_per_second": 12345.0,
+        "perf/rollout_tokens_per_second": 2345.0,
+        "time/wait_rollouts": 0.8,
+        "time/train": 0.3,
+        "time/wait_sync": 0.02,
+        "time/step": 1.2,
+    }
+    first, second = rl_line(step, None), rl_line({**step, "reward/mean": 0.45}, step)
+    assert len(second) < 140, second
+    assert "reward 0.500" in first and "reward 0.450 (-0.050)" in second
+    assert "1.2 s" in second and "0.80 s for rollouts" in second and "0.02 s for the weight sync" in second
+    assert "2.3k tokens/s sampled" in second and "12k trained" in second
+    assert "a 0.500" not in first  # one environment: no per-environment rewards
+    mixture = {**step, "env/b/groups": 0}  # b had no group this step: no reward of its own
+    assert "a 0.500, b -" in rl_line(mixture, step)
+    assert "16.90 s for the evaluation" in rl_line({**step, "time/step": 17.2, "eval/seconds": 16.9}, step)
+
+
+def test_a_step_line_counts_the_evaluation_its_step_waited_for(tmp_path, capsys):
+    log = RunLog(tmp_path, total_steps=2, start_step=0, enabled=True, print_every=1, line=rl_line)
+    step = {"reward/mean": 0.5, "perf/tokens_per_second": 1.0, "perf/rollout_tokens_per_second": 1.0}
+    step |= {"time/wait_rollouts": 0.1, "time/wait_sync": 0.0, "time/step": 9.0}
+    log.scalars(1, step)
+    log.evaluation(2, {"eval/reward": 0.5, "eval/seconds": 8.5})  # rl.py evaluates, then logs the step
+    log.scalars(2, step)
+    log.close()
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert "evaluation" not in lines[0] and "8.50 s for the evaluation" in lines[1]
+
+
+def test_a_sample_shows_the_last_user_message_shortened_the_completion_and_its_reward(tmp_path, capsys):
+    log = RunLog(tmp_path, total_steps=5, start_step=0, enabled=True, print_every=1)
+    prompt = "[system] Reverse the text.\n[user] first\n[assistant] tsrif\n[user] " + "lorem ipsum " * 40
+    log.sample(5, prompt=prompt, completion="muspi merol", reward=0.875)
+    log.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "sample at step 5, reward 0.875"
+    assert lines[1].startswith("  user: lorem ipsum lorem") and lines[1].endswith("…")
+    assert len(lines[1]) <= 130  # the last user message alone, shortened
+    assert lines[2] == "  completion: muspi merol"
