@@ -109,7 +109,9 @@ def test_serve_main_hands_the_process_to_vllm_with_the_config(monkeypatch):
     serve = load_script("serve")
     started = {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # GPU vLLM: no CPU KV cache sizing
-    monkeypatch.setattr(lib.tasks, "hub_reachable", lambda: True)  # a GPU machine with the hub: MODEL is an id
+    monkeypatch.setattr(
+        lib.tasks, "hub_reachable", lambda: True
+    )  # a GPU machine with the hub: MODEL is an id
     monkeypatch.setattr(lib.vllm, "exec_vllm", lambda cmd, env: started.update(command=cmd, env=env))
     monkeypatch.setenv("PLAINRL_API_KEY", "from-env")
     argv = ["--model.name", MODEL, "--engine", "vllm", "--port", "9000", "--model.dtype", "bfloat16"]
