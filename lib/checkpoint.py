@@ -118,7 +118,7 @@ def record_changes(cfg, run_dir: Path, step: int, say) -> None:
     added to resumes.jsonl (the next resume starts from it); config.toml stays the config the run began with."""
     import datetime
 
-    from lib.config import flat, run_config, to_dict, write_config
+    from lib.config import flat, run_config, to_dict, write_atomically, write_config
 
     saved = run_config(run_dir)
     if saved is None:  # checkpoints without a config: the run's record starts here
@@ -145,10 +145,8 @@ def record_changes(cfg, run_dir: Path, step: int, say) -> None:
     time = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     record = {"step": step, "time": time, "changed": changes, "config": to_dict(cfg)}
     earlier = path.read_text() if path.exists() else ""
-    # Written whole, then renamed: a run killed meanwhile leaves the earlier records whole.
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(earlier + json.dumps(record) + "\n")
-    partial.replace(path)
+    # A run killed meanwhile leaves the earlier records whole.
+    write_atomically(path, earlier + json.dumps(record) + "\n")
 
 
 def set_aside(run_dir: Path) -> Path | None:

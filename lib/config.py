@@ -314,6 +314,12 @@ def write_config(config, path: Path) -> None:
     """Writes the resolved config; it can be passed back with `@ path` to repeat the run. Written under
     another name, then renamed: a run killed meanwhile leaves no half of it for --resume to read."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(path, tomli_w.dumps(to_dict(config)))
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Writes `text` to a hidden name beside `path`, then renames it into place: a process killed meanwhile
+    leaves the old file whole, never half of the new one."""
     partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(tomli_w.dumps(to_dict(config)))
+    partial.write_text(text)
     partial.replace(path)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lib import dist, rundir
-from lib.config import UserError
+from lib.config import UserError, write_atomically
 
 WANDB_INSTALL = "pip install wandb (or: pip install -r requirements.lock, which has it)"
 # wandb's x-axis: the trainer's step, logged with every row. wandb's own step only grows, and drops rows
@@ -176,9 +176,7 @@ class RunLog:
         if self.metrics_path.exists():  # a resumed run's: the steps past its checkpoint go
             complete = self.metrics_path.read_text().split("\n")[:-1]  # a line cut by a kill has no newline
             kept = [line for line in complete if json.loads(line)["step"] <= start_step]
-        partial = self.metrics_path.with_name(".metrics.jsonl.partial")
-        partial.write_text("".join(line + "\n" for line in kept))
-        partial.replace(self.metrics_path)
+        write_atomically(self.metrics_path, "".join(line + "\n" for line in kept))
         self.metrics_file = open(self.metrics_path, "ab")
         # The last line, which values logged later at the same step join (an evaluation, then its step's).
         self.last_record = json.loads(kept[-1]) if kept else None
