@@ -58,7 +58,9 @@ def run_main(main, config, resume_dir: Path | None = None) -> None:
     """Runs a script's main(config). Bad input found after parsing (files, servers, data) ends as one
     sentence, exit 2; Ctrl-C as one line (saying how to resume when the run can), exit 130; a peer
     process lost in a collective as one line, exit 1. main's own `finally` has stopped its servers and
-    threads by then."""
+    threads by then; the process group is left here, on every path."""
+    from lib import dist
+
     try:
         main(config)
     except UserError as error:
@@ -76,6 +78,8 @@ def run_main(main, config, resume_dir: Path | None = None) -> None:
             raise
         print(message, file=sys.stderr)
         raise SystemExit(1) from None
+    finally:
+        dist.close()
 
 
 class StopAfterStep:

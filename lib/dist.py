@@ -38,11 +38,20 @@ def init(device: str, peer_timeout: float = 120.0) -> str:
 
 
 def close() -> None:
+    """Leaves the process group; every exit path calls it (lib/config.run_main), a failed one too. The
+    heartbeat thread is joined first: one still inside a store call while the interpreter shuts down
+    aborts the process ("terminate called without an active exception") instead of exiting with its code."""
+    if "torch.distributed" not in sys.modules:
+        return  # never joined: nothing to leave (and no torch import for a script that needs none)
     import torch.distributed as dist
 
     if _watch:  # peers stop watching this rank: it may leave before they do
         _watch["stop"].set()
-        _watch["store"].set(f"plainrl/closed/{world()[0]}", "1")
+        _watch["thread"].join(timeout=10)
+        try:
+            _watch["store"].set(f"plainrl/closed/{world()[0]}", "1")
+        except Exception:  # rank 0's store is gone: so is every peer that would read this
+            pass
         _watch.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -111,7 +120,8 @@ def _start_heartbeat(peer_timeout: float) -> None:
                     )
                     os._exit(1)  # the main thread may be stuck in a collective that never returns
 
-    threading.Thread(target=beat_and_watch, name="heartbeat", daemon=True).start()
+    _watch["thread"] = threading.Thread(target=beat_and_watch, name="heartbeat", daemon=True)
+    _watch["thread"].start()
 
 
 def barrier() -> None:
