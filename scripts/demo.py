@@ -122,6 +122,10 @@ def reward(run_dir: Path) -> float:
     return json.loads((run_dir / "summary.json").read_text())["avg_reward"]
 
 
+def greedy(run_dir: Path) -> Path:
+    return run_dir.with_name(run_dir.name + "-greedy")
+
+
 def evaluate(cfg: Config, model: Path, run_dir: Path) -> None:
     """Sampled at the RL preset's temperature (1.0), on held-out tasks (the eval preset's seed; the same
     ones every time); for the real model also greedily, into <run_dir>-greedy."""
@@ -129,9 +133,8 @@ def evaluate(cfg: Config, model: Path, run_dir: Path) -> None:
     args += ["-n", str(cfg.eval_examples), "-r", str(cfg.eval_rollouts), "--sampling.temperature", "1.0"]
     run(*args, "--output-dir", str(run_dir.parent), "--name", run_dir.name)
     if cfg.model != "tiny":
-        greedy = run_dir.with_name(run_dir.name + "-greedy")
         args[args.index("-r") + 1 : args.index("-r") + 4] = ["1", "--sampling.temperature", "0.0"]
-        run(*args, "--output-dir", str(greedy.parent), "--name", greedy.name)
+        run(*args, "--output-dir", str(run_dir.parent), "--name", greedy(run_dir).name)
 
 
 def plot(cfg: Config, before: float, after: float, base: float | None = None) -> Path:
@@ -159,14 +162,10 @@ def stages(cfg: Config) -> list[Stage]:
     """The demo, stage by stage. sft.py and rl.py always get --resume: it continues a killed run from its
     last checkpoint, and starts at step 0 in an empty directory."""
     sft, rl = cfg.out / "sft", cfg.out / "rl"
-    if (
-        cfg.model == "tiny"
-    ):  # lib/tiny.py moves the model into place with config.json last: with it, it is whole
-        model = cfg.out / "model"
-        make_model = lambda: run("scripts/tiny.py", "--out", str(model))  # noqa: E731
-    else:  # one conversion for every run on this machine (`make smollm2`); lib/models.py writes config.json last
-        model = SMOLLM2_DIR
-        make_model = lambda: run("scripts/smollm2.py", "--out", str(model))  # noqa: E731
+    # Each model script writes config.json last: with it, the model is whole. SmolLM2 is converted once for
+    # every run on this machine (`make smollm2`).
+    model = cfg.out / "model" if cfg.model == "tiny" else SMOLLM2_DIR
+    script = "scripts/tiny.py" if cfg.model == "tiny" else "scripts/smollm2.py"
     sft_weights = sft / "weights" / f"step_{cfg.sft_steps}"
     rl_weights = rl / "weights" / f"step_{cfg.rl_steps}"
     sft_command = ["scripts/sft.py", "@", f"configs/{cfg.model}/sft.toml", "--model.name", str(model)]
@@ -177,18 +176,23 @@ def stages(cfg: Config) -> list[Stage]:
     rl_command = ["scripts/rl.py", "@", f"configs/{cfg.model}/rl.toml", "--model.name", str(sft_weights)]
     rl_command += ["--steps", str(cfg.rl_steps), "--output-dir", str(rl), "--resume"]
     base, after_sft, after_rl = (cfg.out / "eval" / name for name in ("base", "after-sft", "after-rl"))
+
+    def done(run_dir: Path) -> bool:
+        """Whether an evaluation stage finished: its sampled run and, for the real model, its greedy one."""
+        return evaluated(run_dir) and (cfg.model == "tiny" or evaluated(greedy(run_dir)))
+
     base_eval = (
         []
         if cfg.model == "tiny"
-        else [Stage("eval of the base model", lambda: evaluated(base), lambda: evaluate(cfg, model, base))]
+        else [Stage("eval of the base model", lambda: done(base), lambda: evaluate(cfg, model, base))]
     )
     return [
-        Stage("model", (model / "config.json").is_file, make_model),
+        Stage("model", (model / "config.json").is_file, lambda: run(script, "--out", str(model))),
         *base_eval,
         Stage("sft", lambda: trained(sft, cfg.sft_steps), lambda: run(*sft_command)),
-        Stage("eval after SFT", lambda: evaluated(after_sft), lambda: evaluate(cfg, sft_weights, after_sft)),
+        Stage("eval after SFT", lambda: done(after_sft), lambda: evaluate(cfg, sft_weights, after_sft)),
         Stage("rl", lambda: trained(rl, cfg.rl_steps), lambda: run(*rl_command)),
-        Stage("eval after RL", lambda: evaluated(after_rl), lambda: evaluate(cfg, rl_weights, after_rl)),
+        Stage("eval after RL", lambda: done(after_rl), lambda: evaluate(cfg, rl_weights, after_rl)),
         Stage(
             "reward curve",
             (cfg.out / "reward_curve.png").is_file,
@@ -255,8 +259,8 @@ def main(cfg: Config) -> dict:
     )
     print(f"\n{base}reward after SFT {before:.3f} -> after RL {after:.3f}{took}")
     if cfg.model != "tiny":
-        greedy = [reward(cfg.out / "eval" / f"{name}-greedy") for name in ("base", "after-sft", "after-rl")]
-        print("greedy: {:.3f}, {:.3f} -> {:.3f}; per stage: eval/*/summary.json".format(*greedy))
+        rewards = [reward(greedy(cfg.out / "eval" / name)) for name in ("base", "after-sft", "after-rl")]
+        print("greedy: {:.3f}, {:.3f} -> {:.3f}; per stage: eval/*/summary.json".format(*rewards))
     print(f"reward curve: {cfg.out / 'reward_curve.png'}")
     print(f"tensorboard:  .venv/bin/tensorboard --logdir {cfg.out}   (or: make tensorboard)")
     if not left:

@@ -206,3 +206,10 @@ def test_the_real_model_demo_is_the_seed_recipe_with_its_presets(tmp_path, monke
     # One held-out set (seed 1: training draws seed 0), sampled at RL's temperature, then greedy.
     assert {(e.seed, e.num_examples) for e in evals} == {(1, cfg.eval_examples)} and sft.data.seed == 0
     assert [e.sampling.temperature for e in evals] == [rl.sampling.temperature, 0.0] * 3
+    # An evaluation killed between its sampled and its greedy run is not done: a rerun does both.
+    (cfg.out / "eval" / "base").mkdir(parents=True)
+    (cfg.out / "eval" / "base" / "summary.json").write_text('{"status": "ok", "avg_reward": 0.0}')
+    assert not stages[1].done()
+    (cfg.out / "eval" / "base-greedy").mkdir()
+    (cfg.out / "eval" / "base-greedy" / "summary.json").write_text('{"status": "ok", "avg_reward": 0.0}')
+    assert stages[1].done()
