@@ -104,10 +104,18 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
+def free_ports(count: int) -> list[int]:
+    """`count` distinct ports free now. Every socket stays bound until all are picked: ports taken one at a
+    time can repeat (two of a SLURM cluster's four once did)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(contextlib.closing(socket.socket())) for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+
+
 def free_port() -> int:
-    with contextlib.closing(socket.socket()) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def headers(api_key: str | None) -> dict:

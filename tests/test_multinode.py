@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from lib import inference
 from lib.config import parse
-from lib.inference import free_port
+from lib.inference import free_port, free_ports
 
 FIXTURES = ROOT / "tests" / "fixtures"
 HOOKS = FIXTURES / "hooks"
@@ -325,7 +325,7 @@ def test_vllm_head_and_headless_node_both_serve_every_reload(vllm_installed, tin
     import httpx
     from transformers import AutoModelForCausalLM
 
-    port, rpc_port = free_port(), free_port()
+    port, rpc_port = free_ports(2)
     args = ["--model.dtype", "float32", "--max-model-len", "256", "--vllm.cpu-kv-cache-gib", "1"]
     dp = {"MODEL": tiny_dir, "PORT": port, "DP": 2, "DP_LOCAL": 1, "DP_ADDRESS": "127.0.0.1"}
     dp |= {"DP_RPC_PORT": rpc_port, "ARGS": shlex.join(args)}

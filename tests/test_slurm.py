@@ -25,7 +25,7 @@ import pytest
 from conftest import ROOT, load_script
 
 from lib.config import parse
-from lib.inference import free_port
+from lib.inference import free_port, free_ports
 
 slurm = load_script("slurm")
 rl = load_script("rl")
@@ -225,9 +225,7 @@ def cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("slurm")
     (root / "munge.key").write_bytes(secrets.token_bytes(1024))
     (root / "munge.key").chmod(0o600)
-    ports = dict(
-        ctld_port=free_port(), slurmd_port=free_port(), node_port_1=free_port(), node_port_2=free_port()
-    )
+    ports = dict(zip(("ctld_port", "slurmd_port", "node_port_1", "node_port_2"), free_ports(4), strict=True))
     conf = root / "slurm.conf"
     conf.write_text(SLURM_CONF.format(dir=root, node_1=NODES[0], node_2=NODES[1], **ports))
     env = {**os.environ, "SLURM_CONF": str(conf)}
@@ -344,8 +342,9 @@ def rl_args(tiny_dir: Path, out: Path, steps: int) -> list[str]:
         "4",
     ]
     args += ["--rollouts-per-example", "4", "--sampling.max-tokens", "24", "--seq-len", "256"]
-    args += ["--slurm.gpus-per-node", "0", "--slurm.engine", "torch", "--slurm.port", str(free_port())]
-    return [*args, "--slurm.rendezvous-port", str(free_port())]
+    port, rendezvous_port = free_ports(2)
+    args += ["--slurm.gpus-per-node", "0", "--slurm.engine", "torch", "--slurm.port", str(port)]
+    return [*args, "--slurm.rendezvous-port", str(rendezvous_port)]
 
 
 def job_env(cluster: dict, key: str) -> dict:

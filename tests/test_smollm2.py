@@ -252,8 +252,10 @@ def test_two_lora_steps_on_smollm2_through_vllm_stay_on_policy(smollm2_vllm_serv
     args += ["--inference.urls", smollm2_vllm_server.url, "--steps", "2", "--max-async-level", "0"]
     args += ["--examples-per-step", "2", "--rollouts-per-example", "4", "--sampling.max-tokens", "16"]
     args += ["--seq-len", "1024", "--micro-batch-size", "8", "--no-packing"]
-    # A learning rate that moves the adapter far in one step: a server that ignored it would be off-policy.
-    args += ["--lora.rank", "8", "--lora.alpha", "16", "--optim.lr", "5e-2"]
+    # A learning rate that moves the adapter far in one step (step 2's replies all began "Aaa is"), so a server
+    # that ignored it would be off-policy; 5e-2 moved it too far: step 2 replied "aaaa..." alone, every group
+    # flat, and with nothing to train there was no importance ratio to check.
+    args += ["--lora.rank", "8", "--lora.alpha", "16", "--optim.lr", "1e-2"]
     result = rl.main(parse(rl.Config, args))
     history = result["history"]
     assert len(history) == 2
