@@ -140,6 +140,9 @@ def check_env_ids(env: EnvConfig, data: bool = False) -> None:
         known = [*OWN_TASKSETS, "plainrl_calculator"]
         close = difflib.get_close_matches(config.id, known, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
+        if config.id in known:  # plainrl's own, run from a source tree that was never installed
+            own = Path(__file__).parent / "tasksets"
+            hint = f": it is plainrl's own, which make setup installs (or put {own} on PYTHONPATH)"
         raise UserError(f"environment {config.id} is not an installed verifiers taskset{hint}.")
 
 

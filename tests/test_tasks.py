@@ -193,3 +193,16 @@ def test_env_ids_are_checked_in_mixtures_and_sft_data_may_be_files_or_datasets()
     # sft.py's data may be a file or a dataset id rather than a taskset.
     check_env_ids(EnvConfig(id="conversations.jsonl"), data=True)
     check_env_ids(EnvConfig(id="willcb/R1-reverse-wikipedia-paragraphs-v1-1000"), data=True)
+
+
+def test_an_own_taskset_missing_from_a_source_tree_says_how_to_install_it(monkeypatch):
+    # Seen running from a source tree that was never installed: "reverse_text is not an installed verifiers
+    # taskset (did you mean reverse_text?)".
+    from lib import tasks
+
+    monkeypatch.setattr(tasks, "module_found", lambda name: False)
+    with pytest.raises(ValueError) as error:
+        tasks.check_env_ids(EnvConfig(id="reverse_text"))
+    message = str(error.value)
+    assert "did you mean" not in message
+    assert "make setup installs" in message and str(Path(tasks.__file__).parent / "tasksets") in message
