@@ -1,12 +1,13 @@
 """The builtin engine in-process (lib/server/engine.py, lib/server/decode.py): sampling filters, the queue, pause and close."""
 
+import math
 import time
 
 import pytest
 import torch
 
 from lib.model import ModelConfig
-from lib.server.decode import SamplingParams, processed_logprobs
+from lib.server.decode import SamplingParams, draw, processed_logprobs
 from lib.server.engine import Engine
 
 
@@ -19,6 +20,25 @@ def test_top_k_and_top_p_filter_and_renormalise():
     assert torch.allclose(probs[0], torch.tensor([0.625, 0.375, 0, 0]))  # top-2, renormalised
     assert torch.allclose(probs[1], torch.tensor([0.625, 0.375, 0, 0]))  # 0.5 + 0.3 >= 0.7
     assert torch.allclose(probs[2], torch.tensor([0.4, 0.3, 0.2, 0.1]))  # untouched
+
+
+def test_draw_samples_each_rows_distribution_and_never_a_filtered_token():
+    probs = torch.tensor([[0.5, 0.25, 0.0, 0.25], [0.0, 0.1, 0.0, 0.9], [0.0, 0.0, 0.0, 1.0]])
+    logprobs = probs.log()  # -inf where filtered out
+    count = 40_000
+    uniform = torch.rand(count, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for row, p in enumerate(probs):
+        tokens = draw(logprobs[row].expand(count, -1), uniform)
+        frequency = torch.bincount(tokens, minlength=4).double() / count
+        standard_error = (p.double() * (1 - p.double()) / count).sqrt()
+        assert (frequency - p.double()).abs().le(4 * standard_error + 1e-12).all(), (row, frequency)
+    # The ends of [0, 1), and 1 itself, still land on tokens that can be drawn.
+    edges = torch.tensor([0.0, 1 - 2**-53, 1.0], dtype=torch.float64)
+    for row, p in enumerate(probs):
+        assert all(p[token] > 0 for token in draw(logprobs[row].expand(3, -1), edges).tolist())
+    # Across many-token rows (SmolLM2's vocabulary) the float64 sums keep the last token reachable.
+    wide = torch.full((1, 49_152), -math.log(49_152))
+    assert draw(wide, torch.tensor([1 - 2**-53], dtype=torch.float64)).item() == 49_151
 
 
 def test_engine_skips_requests_whose_caller_left_and_fails_queued_ones_on_close(tiny_dir):

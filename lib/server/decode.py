@@ -116,6 +116,18 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return logits.masked_fill(~kept_mask(logits, top_k, top_p), float("-inf"))
 
 
+def draw(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """A token a row from exp(logprobs) (B, V), by inverse transform: the first token whose cumulative
+    probability passes the row's uniform number in [0, 1) (B,). The sums are float64, so 49k terms add up
+    without drift, and a token of probability 0 (filtered out) is never drawn. The same distribution as vLLM's
+    exponential race, argmax(p / E) with E ~ Exp(1), at one random number a row instead of one a token
+    (Exp(1) noise for 64 rows of SmolLM2's 49,152 tokens took a third of a decode step on a CPU)."""
+    cumulative = logprobs.double().exp_().cumsum_(dim=-1)  # (B, V)
+    total = cumulative[:, -1:]  # (B, 1): 1 up to rounding
+    target = torch.minimum(uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))  # < total
+    return torch.searchsorted(cumulative, target, right=True).squeeze(-1)  # (B,)
+
+
 def processed_logprobs(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, filtered: bool
 ) -> torch.Tensor:
@@ -214,13 +226,14 @@ class Decoder:
         seqs = batch.seqs
         filtered = any(s.params.temperature > 0 and (s.params.top_k > 0 or s.params.top_p < 1) for s in seqs)
         logprobs = processed_logprobs(logits, batch.temperature, batch.top_k, batch.top_p, filtered)  # (B, V)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p, and batches across rows.
-        noise = torch.empty_like(logprobs).exponential_(generator=self.generator)
+        # One uniform number a row (a seeded request's from its own generator) picks its token.
+        uniform = torch.rand(len(seqs), dtype=torch.float64, generator=self.generator, device=self.device)  # (B,)
         for row, seq in enumerate(seqs):
             if seq.generator is not None:
-                noise[row].exponential_(generator=seq.generator)
-        tokens = (logprobs - noise.clamp_(min=torch.finfo(noise.dtype).tiny).log()).argmax(dim=-1)  # (B,)
-        tokens = torch.where(batch.greedy, logprobs.argmax(dim=-1), tokens)
+                uniform[row] = torch.rand((), dtype=torch.float64, generator=seq.generator, device=self.device)
+        tokens = draw(logprobs, uniform)  # (B,)
+        if bool(batch.greedy.any()):
+            tokens = torch.where(batch.greedy, logprobs.argmax(dim=-1), tokens)
         chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1)  # (B,)
         ranks = ((logprobs > chosen[:, None]).sum(-1) + 1).tolist()  # (B,)
         k = max(s.params.top_logprobs for s in seqs)
