@@ -100,10 +100,16 @@ def choose_engine(requested: str) -> tuple[str, str]:
 
 
 def serving_dtype(model: ModelConfig) -> str:
-    """model.dtype, with auto resolved as the trainer resolves it: bfloat16 on CUDA, float32 on a CPU."""
-    from lib.model import resolve_device, resolve_dtype
+    """model.dtype, with auto resolved as the trainer resolves it (lib/model.py runs_in_dtype)."""
+    from transformers import AutoConfig
 
-    return str(resolve_dtype(model, resolve_device(model))).removeprefix("torch.")
+    from lib.model import resolve_device, runs_in_dtype
+
+    device = resolve_device(model)
+    if model.dtype != "auto" or device.startswith("cuda"):
+        return runs_in_dtype(model, device, hidden_size=0)
+    hidden_size = AutoConfig.from_pretrained(model.name).get_text_config().hidden_size
+    return runs_in_dtype(model, device, hidden_size)
 
 
 def main(cfg: Config) -> None:
@@ -126,8 +132,8 @@ def main(cfg: Config) -> None:
             )
     engine, reason = choose_engine(cfg.engine)
     log.info("engine: %s (%s)", engine, reason)
-    # One rule for both engines (and the trainer's, lib/model.py): vLLM's own auto serves bfloat16 on a CPU
-    # where the builtin engine serves float32, and the two must compare in one dtype.
+    # One rule for both engines and the trainer (lib/model.py runs_in_dtype): vLLM's own auto would pick
+    # for itself, and the two must compare in one dtype.
     dtype = serving_dtype(cfg.model)
     log.info("dtype: %s (--model.dtype %s)", dtype, cfg.model.dtype)
 

@@ -256,8 +256,10 @@ def test_bf16_autocast_on_cpu_trains_float32_master_weights_and_tracks_float32s_
     ]
     assert master and all(tensor.dtype == torch.float32 for tensor in master.values())
     assert moments and all(tensor.dtype == torch.float32 for tensor in moments)
-    # What servers load: model.dtype auto's float32 on a CPU, whatever the trainer computes in.
+    # What servers load: the dtype the trainer computes in (runs_in_dtype), float32 without autocast.
     written = load_file(bf16["weights"] / "model.safetensors")
+    assert all(tensor.dtype == torch.bfloat16 for tensor in written.values())
+    written = load_file(float32["weights"] / "model.safetensors")
     assert all(tensor.dtype == torch.float32 for tensor in written.values())
 
 
@@ -276,3 +278,21 @@ def test_autocast_auto_is_bf16_on_a_bf16_cpu_for_wide_models_and_forceable_both_
     assert trains_in_bf16(ModelConfig(autocast="on"), "cpu", hidden_size=narrow)
     assert trains_in_bf16(ModelConfig(), "cuda", hidden_size=narrow)
     assert not trains_in_bf16(ModelConfig(dtype="float32"), "cuda", hidden_size=wide)
+
+
+def test_a_model_runs_in_the_dtype_its_trainer_computes_in(monkeypatch):
+    """What servers load and trainers write (serve.py and load_trainable both ask runs_in_dtype)."""
+    from lib import model
+    from lib.model import ModelConfig, runs_in_dtype
+
+    wide, narrow = model.CPU_BF16_MIN_HIDDEN_SIZE, model.CPU_BF16_MIN_HIDDEN_SIZE // 2
+    for native in (True, False):  # both paths, whatever this CPU has
+        monkeypatch.setattr(model, "cpu_has_bf16", lambda native=native: native)
+        assert runs_in_dtype(ModelConfig(), "cpu", wide) == ("bfloat16" if native else "float32")
+        assert runs_in_dtype(ModelConfig(), "cpu", narrow) == "float32"  # the tiny model
+        assert runs_in_dtype(ModelConfig(autocast="on"), "cpu", narrow) == "bfloat16"
+        assert runs_in_dtype(ModelConfig(autocast="off"), "cpu", wide) == "float32"
+        assert runs_in_dtype(ModelConfig(dtype="float32"), "cpu", wide) == "float32"
+        assert runs_in_dtype(ModelConfig(dtype="bfloat16"), "cpu", narrow) == "bfloat16"
+        assert runs_in_dtype(ModelConfig(), "cuda", narrow) == "bfloat16"
+        assert runs_in_dtype(ModelConfig(dtype="float32"), "cuda", wide) == "float32"
