@@ -83,7 +83,7 @@ def trains_in_bf16(config: ModelConfig, device: str, hidden_size: int) -> bool:
 def runs_in_dtype(config: ModelConfig, device: str, hidden_size: int) -> str:
     """The dtype a model runs in: what servers load it in and a trainer writes its weights in. model.dtype,
     with auto as bfloat16 wherever the trainer computes in bf16 (CUDA; a CPU with native bf16 at a real
-    model's width, trains_in_bf16), else float32. On such a CPU the builtin engine generates ~1.9x faster in
+    model's width, trains_in_bf16), else float32. On such a CPU the builtin engine generates ~1.6x faster in
     bf16 than in float32 (SmolLM2, 64 sequences; benchmarks/bench_generation.py), and vLLM's own auto
     serves bf16 there too."""
     if config.dtype != "auto" or device.startswith("cuda"):
