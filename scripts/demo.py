@@ -74,6 +74,11 @@ class Config:
     eval_rollouts: int | None = None
     """Rollouts per example in each evaluation."""
 
+    @property
+    def real(self) -> bool:
+        """A real pretrained model: its base is evaluated too, and each evaluation also greedily."""
+        return self.model != "tiny"
+
     def __post_init__(self):
         if self.out is None:
             self.out = Path("outputs/demo" if self.model == "smollm2" else "outputs/demo-tiny")
@@ -132,7 +137,7 @@ def evaluate(cfg: Config, model: Path, run_dir: Path) -> None:
     args = ["scripts/eval.py", "reverse_text", "@", f"configs/{cfg.model}/eval.toml", "-m", str(model)]
     args += ["-n", str(cfg.eval_examples), "-r", str(cfg.eval_rollouts), "--sampling.temperature", "1.0"]
     run(*args, "--output-dir", str(run_dir.parent), "--name", run_dir.name)
-    if cfg.model != "tiny":
+    if cfg.real:
         args[args.index("-r") + 1 : args.index("-r") + 4] = ["1", "--sampling.temperature", "0.0"]
         run(*args, "--output-dir", str(run_dir.parent), "--name", greedy(run_dir).name)
 
@@ -147,7 +152,7 @@ def plot(cfg: Config, before: float, after: float, base: float | None = None) ->
         steps.append(int(path.stem[5:]))
         rewards.append(sum(values) / len(values))
     lines = {} if base is None else {"held-out reward of the base model": base}
-    title = "tiny Qwen3" if cfg.model == "tiny" else "SmolLM2-135M-Instruct"
+    title = "SmolLM2-135M-Instruct" if cfg.real else "tiny Qwen3"
     return plot_curve(
         cfg.out / "reward_curve.png",
         steps,
@@ -179,16 +184,15 @@ def stages(cfg: Config) -> list[Stage]:
 
     def done(run_dir: Path) -> bool:
         """Whether an evaluation stage finished: its sampled run and, for the real model, its greedy one."""
-        return evaluated(run_dir) and (cfg.model == "tiny" or evaluated(greedy(run_dir)))
+        return evaluated(run_dir) and (not cfg.real or evaluated(greedy(run_dir)))
 
-    base_eval = (
-        []
-        if cfg.model == "tiny"
-        else [Stage("eval of the base model", lambda: done(base), lambda: evaluate(cfg, model, base))]
-    )
     return [
         Stage("model", (model / "config.json").is_file, lambda: run(script, "--out", str(model))),
-        *base_eval,
+        *(
+            [Stage("eval of the base model", lambda: done(base), lambda: evaluate(cfg, model, base))]
+            if cfg.real
+            else []
+        ),
         Stage("sft", lambda: trained(sft, cfg.sft_steps), lambda: run(*sft_command)),
         Stage("eval after SFT", lambda: done(after_sft), lambda: evaluate(cfg, sft_weights, after_sft)),
         Stage("rl", lambda: trained(rl, cfg.rl_steps), lambda: run(*rl_command)),
@@ -200,7 +204,7 @@ def stages(cfg: Config) -> list[Stage]:
                 cfg,
                 before=reward(after_sft),
                 after=reward(after_rl),
-                base=reward(base) if base_eval else None,
+                base=reward(base) if cfg.real else None,
             ),
         ),
     ]
@@ -254,11 +258,9 @@ def main(cfg: Config) -> dict:
     before, after = reward(cfg.out / "eval" / "after-sft"), reward(cfg.out / "eval" / "after-rl")
     minutes = (time.perf_counter() - start) / 60
     took = f" ({minutes:.1f} min)" if left else ""
-    base = (
-        "" if cfg.model == "tiny" else f"reward of the base model {reward(cfg.out / 'eval' / 'base'):.3f}, "
-    )
+    base = f"reward of the base model {reward(cfg.out / 'eval' / 'base'):.3f}, " if cfg.real else ""
     print(f"\n{base}reward after SFT {before:.3f} -> after RL {after:.3f}{took}")
-    if cfg.model != "tiny":
+    if cfg.real:
         rewards = [reward(greedy(cfg.out / "eval" / name)) for name in ("base", "after-sft", "after-rl")]
         print("greedy: {:.3f}, {:.3f} -> {:.3f}; per stage: eval/*/summary.json".format(*rewards))
     print(f"reward curve: {cfg.out / 'reward_curve.png'}")
