@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_limits import DEFAULT_MODEL, bandwidth_gbs, matmul_gflops, threads  # noqa: E402
+from bench_serve import server_round  # noqa: E402
 
 from lib import inference  # noqa: E402
 
@@ -72,22 +73,10 @@ def roofline(config, parameters: int, rows: int, prompt: int, new: int, dtype: s
 
 
 async def generate_round(url: str, prompts: list[list[int]], max_tokens: int) -> float:
-    sampling = {"temperature": 1.0, "max_tokens": max_tokens, "ignore_eos": True, "logprobs": 0}
+    """bench_serve.py's round, on a session of its own against the server at `url`."""
     timeout = aiohttp.ClientTimeout(total=3600)
-    async with aiohttp.ClientSession(base_url=url.removesuffix("/v1") + "/", timeout=timeout) as session:
-
-        async def one(prompt: list[int]) -> int:
-            body = {"model": "policy", "token_ids": prompt, "sampling_params": sampling}
-            async with session.post("inference/v1/generate", json=body) as response:
-                answer = await response.json()
-                assert response.status == 200, answer
-                return len(answer["choices"][0]["token_ids"])
-
-        start = time.perf_counter()
-        generated = sum(await asyncio.gather(*(one(p) for p in prompts)))
-        elapsed = time.perf_counter() - start
-    assert generated == len(prompts) * max_tokens, generated
-    return generated / elapsed
+    async with aiohttp.ClientSession(url.removesuffix("/v1"), timeout=timeout) as session:
+        return await server_round(session, prompts, max_tokens, model="policy")
 
 
 def served_dtype(url: str, asked: str) -> str:

@@ -36,11 +36,12 @@ MODELS = {
 }  # fmt: skip
 
 
-async def server_round(session, prompts: list[list[int]], max_tokens: int) -> float:
+async def server_round(session, prompts: list[list[int]], max_tokens: int, model: str | None = None) -> float:
+    """New tokens/s of the prompts sent at once to /inference/v1/generate (`model`: the served name, if any)."""
     sampling = {"temperature": 1.0, "max_tokens": max_tokens, "ignore_eos": True, "logprobs": 0}
 
     async def one(prompt: list[int]) -> int:
-        body = {"token_ids": prompt, "sampling_params": sampling}
+        body = {"token_ids": prompt, "sampling_params": sampling, **({"model": model} if model else {})}
         async with session.post("/inference/v1/generate", json=body) as response:
             return len((await response.json())["choices"][0]["token_ids"])
 
