@@ -106,7 +106,7 @@ def child(args) -> None:
                     "train_s": metrics["time/train"],
                     "sync_s": metrics["time/sync_weights"],
                     **phases_of_step,
-                    "probe_difference": metrics["sync/probe_logprob_difference"],
+                    "probe_difference": metrics.get("sync/probe_logprob_difference"),  # on-policy only
                 }
             )
         )

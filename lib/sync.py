@@ -175,7 +175,7 @@ class WeightSync:
     def after_step(self, step: int) -> dict[str, float]:
         """Step N's weights to the servers: published before this returns, or (background) written once reload
         N-1 is done, so one sync is in flight and pruning keeps what it reads, then reloaded beside the next
-        step. Returns its time/sync_weights, time/wait_sync and sync/probe_logprob_difference."""
+        step. Returns its time/sync_weights, time/wait_sync and, on-policy, sync/probe_logprob_difference."""
         if not self.background:
             seconds, difference = self.publish(step, f"after step {step}")
             if self.on_loaded:
@@ -192,8 +192,9 @@ class WeightSync:
         )  # fmt: skip
         if self.reloader:
             self.reloader.start(step, path)
-        # The logprob probe runs at the start only (Reloader): seconds is the last finished reload's.
-        return {"time/sync_weights": seconds, "time/wait_sync": waited, "sync/probe_logprob_difference": 0.0}
+        # The logprob probe runs at the start only (Reloader), so no figure for it here, rather than a 0 that
+        # reads as perfect agreement; seconds is the last finished reload's.
+        return {"time/sync_weights": seconds, "time/wait_sync": waited}
 
     def in_flight(self) -> bool:
         return self.reloader is not None and self.reloader.in_flight()
