@@ -432,7 +432,7 @@ def start_or_attach(
             weights_root=run_dir.resolve(),
             log_path=run_dir / rundir.SERVER_LOG,
             extra_args=[
-                # The trainer's dtype (auto: float32 on CPU, bfloat16 on CUDA), so the two agree.
+                # The dtype the trainer writes its weights in (lib/model.py runs_in_dtype), so the two agree.
                 *("--model.dtype", model.dtype if model.dtype != "auto" else trainer_dtype),
                 *("--vllm.gpu-memory-utilization", str(config.gpu_memory_utilization)),
                 # No episode longer than the trainer's rows, nor than the model's own context: the model's

@@ -19,7 +19,8 @@ class ModelConfig:
     name: Annotated[str, tyro.conf.arg(aliases=("-m",))] = "outputs/models/tiny"
     """Hugging Face hub id (e.g. Qwen/Qwen3-0.6B) or a local Hugging Face directory (`make tiny` writes one)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Weights and compute dtype; auto = bfloat16 on CUDA, float32 on CPU."""
+    """Weights and compute dtype; auto = bfloat16 on CUDA; on a CPU float32 weights, which train under bf16
+    autocast and are served in bf16 where model.autocast turns it on (native bf16, hidden size >= 256)."""
     autocast: Literal["auto", "on", "off"] = "auto"
     """The trainer's forward under bf16 autocast over float32 master weights. auto = on CUDA unless model.dtype
     is float32; on a CPU with native bf16 (AVX512-BF16 or AMX) when model.dtype is auto and the hidden size
