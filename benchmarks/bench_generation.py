@@ -16,14 +16,23 @@ The roofline of a decode step that extends `c` sequences of context `t` by a tok
   best one-thread matmul at the step's shapes (c rows) times --threads, both measured here first.
 The bound in tokens/s is c x max_tokens over the sum of the steps' times, t running from the prompt's length.
 
+With --beside-trainer N, each server then generates rounds at the largest concurrency while a one-thread
+trainer (the model's forward and backward of a 512-token row under bf16 autocast, N timed iterations, in a
+process of its own) runs beside it, as rl.py's trainer runs beside its server on a CPU: the rounds' tokens/s,
+the trainer's seconds an iteration beside the server and alone (measured before any server starts), and the
+CPU the server's processes used.
+
 Usage (make smollm2 first; the vLLM rows need make setup-vllm):
     python benchmarks/bench_generation.py
     python benchmarks/bench_generation.py --engines torch --dtypes bfloat16 --concurrency 8 64
+    python benchmarks/bench_generation.py --dtypes bfloat16 --threads 1 --beside-trainer 6
 """
 
 import argparse
 import asyncio
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -79,6 +88,54 @@ async def generate_round(url: str, prompts: list[list[int]], max_tokens: int) ->
         return await server_round(session, prompts, max_tokens, model="policy")
 
 
+def train(model: str, iterations: int) -> None:
+    """The trainer's work on one thread, each timed iteration's seconds printed on a line of its own."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    network = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    ids = torch.randint(100, network.config.vocab_size, (1, 512), generator=torch.Generator().manual_seed(0))
+    for index in range(iterations + 1):  # the first is a warm-up
+        began = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            network(ids, labels=ids).loss.backward()
+        network.zero_grad(set_to_none=True)
+        if index:
+            print(f"{time.perf_counter() - began:.3f}", flush=True)
+
+
+def trainer(model: str, iterations: int) -> subprocess.Popen:
+    command = [sys.executable, __file__, "--model", model, "--train-only", str(iterations)]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=environment)
+
+
+def seconds(process: subprocess.Popen) -> list[float]:
+    output, _ = process.communicate()
+    assert process.returncode == 0, f"the trainer failed ({process.returncode})"
+    return [float(line) for line in output.split()]
+
+
+def beside_trainer(url: str, pid: int, prompts, max_tokens: int, model: str, iterations: int) -> dict:
+    """Rounds of generation while a one-thread trainer runs: their tokens/s, the trainer's seconds an
+    iteration, and the cores the server's processes used meanwhile."""
+    import psutil
+
+    server = psutil.Process(pid)
+    processes = [server, *server.children(recursive=True)]
+
+    def cpu() -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in processes)
+
+    running, rates = trainer(model, iterations), []
+    cpu_before, began = cpu(), time.perf_counter()
+    while running.poll() is None:
+        rates.append(asyncio.run(generate_round(url, prompts, max_tokens)))
+    cores = (cpu() - cpu_before) / (time.perf_counter() - began)
+    return {"beside_tokens_per_second": rates, "trainer_beside_s": seconds(running), "server_cores": cores}
+
+
 def served_dtype(url: str, asked: str) -> str:
     """The dtype the server's engine computes in, as its weight fingerprint reports it (both engines answer)."""
     import httpx
@@ -102,8 +159,12 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=2, help="the server's threads (and the peak's multiple)"
     )
+    parser.add_argument("--beside-trainer", type=int, default=0, metavar="N", help="see the docstring")
+    parser.add_argument("--train-only", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench_generation.json")
     args = parser.parse_args()
+    if args.train_only:
+        return train(args.model, args.train_only)
 
     import torch
     from transformers import AutoConfig, AutoTokenizer
@@ -143,6 +204,9 @@ def main() -> None:
                     f"  matmul peak {dtype} at {rows} rows: {best:.0f} GFLOP/s on one thread x {args.threads}"
                 )
 
+    alone = seconds(trainer(args.model, args.beside_trainer)) if args.beside_trainer else []
+    if alone:
+        print(f"trainer alone, one thread: {', '.join(f'{x:.2f}' for x in alone)} s an iteration")
     results = []
     for engine in args.engines:
         for dtype in args.dtypes:
@@ -182,6 +246,19 @@ def main() -> None:
                         f"{engine:5s} {dtype:8s} (served {served}) c={rows:3d}: {rate:7.1f} new tokens/s; "
                         f"roofline {bound:7.1f} ({rate / bound:.0%} of it, {memory_share:.0%} of steps memory-bound); "
                         f"start {started:.0f} s",
+                        flush=True,
+                    )
+                if args.beside_trainer and rows == biggest:
+                    pid, model = server.process.pid, args.model
+                    beside = beside_trainer(
+                        server.url, pid, prompts, args.max_tokens, model, args.beside_trainer
+                    )
+                    results[-1] |= beside | {"trainer_alone_s": alone}
+                    print(
+                        f"      beside a one-thread trainer: "
+                        f"{', '.join(f'{x:.0f}' for x in beside['beside_tokens_per_second'])} new tokens/s; "
+                        f"trainer {', '.join(f'{x:.2f}' for x in beside['trainer_beside_s'])} s an iteration; "
+                        f"server used {beside['server_cores']:.2f} cores",
                         flush=True,
                     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
