@@ -19,8 +19,10 @@ Usage:
 
 import argparse
 import asyncio
+import atexit
 import contextlib
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -89,7 +91,9 @@ def main() -> None:
     from lib.sampling import SamplingConfig
     from lib.tiny import write_tiny
 
-    model = args.model or str(write_tiny(Path(tempfile.mkdtemp()) / "tiny"))
+    tmp = Path(tempfile.mkdtemp(prefix="bench_env_overhead_"))
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    model = args.model or str(write_tiny(tmp / "tiny"))
     env = EnvConfig(id="reverse_text", args='{"source": "synthetic"}', num_examples=64)
     vf_env = load_env(env)
     tasks = load_tasks(vf_env, env)

@@ -28,8 +28,10 @@ Usage:
 """
 
 import argparse
+import atexit
 import contextlib
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -269,6 +271,7 @@ def section_sft(model_dir: str, args) -> list[dict]:
     from lib.config import parse
 
     work = Path(tempfile.mkdtemp(prefix="bench_limits_"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)  # its checkpoints run to gigabytes
     conversations = reverse_text_conversations(args.sft_batch * args.sft_steps, 0, 20, 200)
     data = write_jsonl(conversations, work / "data.jsonl")
     sft, rows = load_sft(), []

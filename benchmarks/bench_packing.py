@@ -12,9 +12,11 @@ Usage:
 """
 
 import argparse
+import atexit
 import importlib.util
 import json
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -89,6 +91,7 @@ def main() -> None:
     from lib.tiny import write_tiny
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_packing_"))
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # its checkpoints run to gigabytes
     model = args.model or str(write_tiny(tmp / "tiny"))
     conversations = reverse_text_conversations(
         args.batch_size * args.steps, 0, args.min_chars, args.max_chars

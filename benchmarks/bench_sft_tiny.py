@@ -14,9 +14,11 @@ Usage:
 """
 
 import argparse
+import atexit
 import dataclasses
 import difflib
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -73,6 +75,7 @@ def main() -> None:
     from lib.tiny import write_tiny
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_sft_tiny_"))
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # its checkpoints run to gigabytes
     model = args.model or str(write_tiny(tmp / "tiny"))
     sft = load_sft()
     flags = [

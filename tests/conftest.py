@@ -169,6 +169,24 @@ def smollm2_vllm_server(vllm_installed, smollm2_dir, tmp_path_factory):
         yield server
 
 
+FREE_DISK_NEEDED = 4 * 2**30  # a session writes ~2 GB of checkpoints and servers' caches at its peak
+
+
+def pytest_sessionstart(session):
+    """Stops at once, in one sentence, where the disk is too full for the checkpoints the tests write: a
+    full disk otherwise shows up as hundreds of errors from whichever tests write next."""
+    import tempfile
+
+    for where in (Path(tempfile.gettempdir()), ROOT):
+        free = shutil.disk_usage(where).free
+        if free < FREE_DISK_NEEDED:
+            pytest.exit(
+                f"only {free / 2**30:.1f} GiB free under {where}; the tests need "
+                f"{FREE_DISK_NEEDED / 2**30:.0f} GiB for their checkpoints (clear old runs' outputs first)",
+                returncode=1,
+            )
+
+
 def pytest_terminal_summary(terminalreporter):
     """One line saying that the real-vLLM tests were skipped, and why, when they were."""
     skipped = terminalreporter.stats.get("skipped", [])
