@@ -18,6 +18,7 @@ Usage:
 """
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -37,6 +38,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="Most completion tokens.")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default).")
+    parser.add_argument(
+        "--bf16", action="store_true", help="bf16 autocast over float32 weights, as plainrl's trainer."
+    )
     args = parser.parse_args()
 
     if args.threads:
@@ -47,6 +51,9 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     group = args.rollouts_per_example
     prompts = make_prompts((args.warmup + args.steps) * args.examples_per_step)
+
+    def compute():
+        return torch.autocast("cpu", dtype=torch.bfloat16) if args.bf16 else contextlib.nullcontext()
 
     rows = []
     for step in range(args.warmup + args.steps):
@@ -62,7 +69,7 @@ def main() -> None:
         # -------------------------------------------------------- generate (KV cache)
         model.eval()
         generate_began = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), compute():
             sequences = model.generate(
                 **batch,
                 do_sample=True,
@@ -90,9 +97,10 @@ def main() -> None:
         model.train()
         train_began = time.perf_counter()
         attention_mask = torch.cat([batch.attention_mask, completion_mask.long()], dim=1)  # (B, P + C)
-        logits = model(input_ids=sequences, attention_mask=attention_mask).logits[
-            :, prompt_length - 1 : -1
-        ]  # (B, C, V)
+        with compute():
+            logits = model(input_ids=sequences, attention_mask=attention_mask).logits[
+                :, prompt_length - 1 : -1
+            ]  # (B, C, V)
         logp = (
             torch.log_softmax(logits.float(), dim=-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
         )  # (B, C)
@@ -133,7 +141,12 @@ def main() -> None:
     )
     print(
         json.dumps(
-            {"threads": torch.get_num_threads(), "steps_timed": len(rows), **{n: spread(n) for n in names}}
+            {
+                "threads": torch.get_num_threads(),
+                "compute": "bf16 autocast" if args.bf16 else "float32",
+                "steps_timed": len(rows),
+                **{n: spread(n) for n in names},
+            }
         )
     )
 

@@ -22,7 +22,7 @@ is printed (flat_groups) so the difference in work is visible.
 Usage:
     python benchmarks/bench_rl_vs_trl.py --model outputs/tiny/sft/weights/step_2000
     python benchmarks/bench_rl_vs_trl.py --model M --trl-python /tmp/trlvenv/bin/python --steps 20
-    python benchmarks/bench_rl_vs_trl.py --model M --trl-threads 1 --seed 1   # a busy machine, another seed
+    python benchmarks/bench_rl_vs_trl.py --model M --trl-threads 1 --seeds 0 1 2   # a busy machine, three seeds
     python benchmarks/bench_rl_vs_trl.py --model M --top-p 0.9 --top-k 20      # kept sets replayed
     python benchmarks/bench_rl_vs_trl.py --model outputs/demo/sft/weights/step_150 --preset configs/smollm2/rl.toml \
         --plainrl-args "--micro-batch-size 2 --model.dtype float32" --steps 4 --warmup 1   # the real model
@@ -88,6 +88,7 @@ def run_trl(args) -> dict:
         str(args.seed),
         "--threads",
         str(args.trl_threads),
+        *(["--bf16"] if args.trl_bf16 else []),
         "--top-p",
         str(args.top_p),
         "--top-k",
@@ -193,7 +194,18 @@ def main() -> None:
         help="Most completion tokens (an answer of a 4-word text with its tags is ~55).",
     )
     parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--seed", type=int, default=0, help="Both sides' seed.")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="Both sides' seeds: one comparison each, then a summary.",
+    )
+    parser.add_argument(
+        "--trl-bf16",
+        action="store_true",
+        help="TRL under bf16 autocast (plainrl's default where the CPU has it).",
+    )
     parser.add_argument(
         "--trl-threads",
         type=int,
@@ -221,20 +233,34 @@ def main() -> None:
     if not args.skip_trl and not Path(args.trl_python).is_file():
         sys.exit(f"no TRL virtualenv at {args.trl_python}: make one as bench_trl_grpo.py's docstring shows.")
 
-    trl = None if args.skip_trl else run_trl(args)
-    print(json.dumps(trl), flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        plainrl = run_plainrl(args, Path(tmp) / "run")
-    print(json.dumps(plainrl), flush=True)
-    if trl is None:
+    runs = []
+    for seed in args.seeds:
+        args.seed = seed
+        trl = None if args.skip_trl else run_trl(args)
+        print(json.dumps({"seed": seed, **(trl or {})}), flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            plainrl = run_plainrl(args, Path(tmp) / "run")
+        print(json.dumps({"seed": seed, **plainrl}), flush=True)
+        runs.append((trl, plainrl))
+    if args.skip_trl:
         return
-    ratio = trl["seconds_per_step"] / plainrl["seconds_per_step"]
-    ratio_median = trl["seconds_per_step_median"] / plainrl["seconds_per_step_median"]
+    speedups = [trl["seconds_per_step"] / plainrl["seconds_per_step"] for trl, plainrl in runs]
+    medians = [trl["seconds_per_step_median"] / plainrl["seconds_per_step_median"] for trl, plainrl in runs]
+    last10 = {
+        side: [run[index]["reward_last10"] for run in runs] for index, side in enumerate(("trl", "plainrl"))
+    }
+
+    def mean_se(values: list[float]) -> str:
+        spread = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else float("nan")
+        return f"{statistics.fmean(values):.3f} +- {spread:.3f}"
+
     print(
         json.dumps(
             {
-                "plainrl_speedup": round(ratio, 2),
-                "plainrl_speedup_median": round(ratio_median, 2),
+                "seeds": args.seeds,
+                "plainrl_speedup": [round(x, 2) for x in speedups],
+                "plainrl_speedup_median": [round(x, 2) for x in medians],
+                "reward_last10": {side: mean_se(values) for side, values in last10.items()},
                 "target": 1.5,
             }
         )

@@ -76,6 +76,9 @@ def main():
     parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate.")
     parser.add_argument("--seed", type=int, default=0, help="TRL's seed (sampling, data order).")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default).")
+    parser.add_argument(
+        "--bf16", action="store_true", help="bf16 autocast over float32 weights (Trainer's bf16=True)."
+    )
     parser.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass (1 = off).")
     parser.add_argument("--top-k", type=int, default=0, help="Top-k filtering (0 = off, TRL's convention).")
     parser.add_argument(
@@ -106,6 +109,7 @@ def main():
     config = trl.GRPOConfig(
         output_dir=args.output_dir,
         use_cpu=True,
+        bf16=args.bf16,
         seed=args.seed,
         max_steps=total_steps,
         learning_rate=args.lr,
@@ -160,6 +164,7 @@ def main():
         "transformers": transformers.__version__,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "compute": "bf16 autocast" if args.bf16 else "float32",
         "steps_timed": len(intervals),
         "warmup_steps": args.warmup,
         "rollouts_per_step": batch,
