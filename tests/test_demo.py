@@ -173,7 +173,7 @@ def test_the_real_model_demo_is_the_seed_recipe_with_its_presets(tmp_path, monke
     ran = []
     monkeypatch.setattr(demo, "run", lambda *args: ran.append(list(args)))
     cfg = demo.Config(out=tmp_path / "demo")
-    stages = demo.stages(cfg)
+    stages = demo.stages(cfg, contextlib.ExitStack())  # the builtin engine: no server of its own to stop
     assert [stage.name for stage in stages] == [
         "model",
         "eval of the base model",
