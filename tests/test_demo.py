@@ -243,7 +243,7 @@ def test_the_demo_through_vllm_runs_every_stage_on_one_server(
 
     monkeypatch.setattr(lib.inference, "running_server", session_server)
     monkeypatch.setattr(reload, "reload_weights", reload_weights)
-    cfg = demo.Config(out=tmp_path / "demo", engine="vllm", **TOY)
+    cfg = demo.Config(out=tmp_path / "demo", engine="vllm", **TOY | {"sft_steps": 2, "rl_steps": 1})
     try:
         printed = run_demo(cfg)
     finally:
@@ -251,7 +251,7 @@ def test_the_demo_through_vllm_runs_every_stage_on_one_server(
     assert started == ["vllm"]
     # The evaluations after SFT and after RL ran on the server, each after it loaded that stage's weights
     # (a reload checks the served weights' fingerprint against the files).
-    assert loaded == [cfg.out / "sft" / "weights" / "step_4", cfg.out / "rl" / "weights" / "step_2"]
+    assert loaded == [cfg.out / "sft" / "weights" / "step_2", cfg.out / "rl" / "weights" / "step_1"]
     evals = [line for line in printed.splitlines() if line.startswith("$ python scripts/eval.py")]
     assert len(evals) == 2 and all(f"-m policy -b {vllm_server.url} " in line for line in evals)
     # RL trained against it, its trainer on the core vLLM's worker leaves.
