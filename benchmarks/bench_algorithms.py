@@ -14,6 +14,10 @@ reference KL of the last step. "Clearly better" than dppo: a final reward higher
 errors of the difference of the two means. Wall times are those of a shared machine: compare minutes only
 between runs of one invocation.
 
+--preset puts another RL preset under the recipes (configs/smollm2/rl.toml for the real model: its batch,
+lengths and learning rate stay, its loss is the recipe's); --override adds rl.py arguments to one recipe's
+runs (GSPO's clip, chosen for the model at hand).
+
 Without --model, the tiny model is made and SFT-warmed as scripts/demo.py does (1200 steps, the learning
 rate ending at 30% of its peak).
 
@@ -22,11 +26,14 @@ Usage:
     python benchmarks/bench_algorithms.py --model outputs/demo-tiny/sft/weights/step_1200 --recipes dppo grpo
     python benchmarks/bench_algorithms.py --configs dppo gspo cispo+kl --eval-every 50 --eval-examples 128
     python benchmarks/bench_algorithms.py --steps 2 --seeds 1 --sft-steps 10 --eval-examples 4 --eval-every 1
+    python benchmarks/bench_algorithms.py --preset configs/smollm2/rl.toml --model outputs/demo-vllm/sft/weights/step_150 \
+        --configs dppo gspo cispo --override gspo="--loss.clip-low 0.01 --loss.clip-high 0.01" --steps 15 --eval-every 15
 """
 
 import argparse
 import json
 import math
+import shlex
 import statistics
 import subprocess
 import sys
@@ -68,16 +75,17 @@ def train(args, model: Path, recipe: str, kl_coef: float, seed: int) -> dict:
     run_dir = args.out / "runs" / f"{recipe}{'+kl' if kl_coef else ''}" / f"seed_{seed}"
     done = run_dir / "tb"
     if not (done.is_dir() and any(s == args.steps for s, _, _ in scalars(run_dir).get("eval/reward", []))):
-        run(["scripts/rl.py", "@", "configs/tiny/rl.toml", "@", f"configs/recipes/{recipe}.toml",
+        run(["scripts/rl.py", "@", args.preset, "@", f"configs/recipes/{recipe}.toml",
              "--model.name", str(model), "--steps", str(args.steps), "--seed", str(seed), "--loss.kl-coef", str(kl_coef),
              "--eval.every", str(args.eval_every), "--eval.num-examples", str(args.eval_examples),
-             "--checkpoint-every", str(args.steps), "--output-dir", str(run_dir)])  # fmt: skip
+             "--checkpoint-every", str(args.steps), "--output-dir", str(run_dir), *args.overrides.get(recipe, [])])  # fmt: skip
     tags = scalars(run_dir)
     evals = tags["eval/reward"]
     began = evals[0][1]  # the step-0 evaluation: minutes count from there
     last = {tag: values[-1][2] for tag, values in tags.items() if tag.startswith("train/")}
     return {
         "curve": [(step, (wall - began) / 60, value) for step, wall, value in evals],
+        "greedy": [value for _, _, value in tags.get("eval/reward_greedy", [])],
         "mismatch_kl": last.get("train/mismatch_kl", float("nan")),
         "ref_kl": last.get("train/ref_kl", float("nan")),
     }
@@ -90,8 +98,8 @@ def mean_and_error(values: list[float]) -> tuple[float, float]:
 
 
 def report(args, results: dict[str, list[dict]]) -> str:
-    rows = ["| configuration | held-out reward at the end | gain over step 0 | minutes | mismatch_kl | ref_kl | vs dppo |",
-            "|---|---|---|---|---|---|---|"]  # fmt: skip
+    rows = ["| configuration | held-out reward at the end | gain over step 0 | greedy at the end | minutes | mismatch_kl | ref_kl | vs dppo |",
+            "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     finals = {name: mean_and_error([r["curve"][-1][2] for r in runs]) for name, runs in results.items()}
     base = finals.get("dppo")
     for name, runs in results.items():
@@ -103,9 +111,12 @@ def report(args, results: dict[str, list[dict]]) -> str:
             difference, difference_error = final - base[0], math.hypot(error, base[1])
             clearly = difference_error > 0 and abs(difference) > 2 * difference_error
             verdict = f"{difference:+.3f} ({'clearly ' + ('better' if difference > 0 else 'worse') if clearly else 'within 2 SE'})"
+        greedy = "-"
+        if all(r.get("greedy") for r in runs):  # runs from before the column was kept have none
+            greedy = "{:.3f} +- {:.3f}".format(*mean_and_error([r["greedy"][-1] for r in runs]))
         mismatch = statistics.fmean(r["mismatch_kl"] for r in runs)
         ref_kl = statistics.fmean(r["ref_kl"] for r in runs)
-        rows.append(f"| {name} | {final:.3f} +- {error:.3f} | {gain:+.3f} +- {gain_error:.3f} | {minutes:.1f} | "
+        rows.append(f"| {name} | {final:.3f} +- {error:.3f} | {gain:+.3f} +- {gain_error:.3f} | {greedy} | {minutes:.1f} | "
                     f"{mismatch:.4f} | {'-' if math.isnan(ref_kl) else f'{ref_kl:.4f}'} | {verdict} |")  # fmt: skip
     seeds = len(next(iter(results.values())))
     return (f"{args.steps} steps, {seeds} seed(s), held-out reward of {args.eval_examples} tasks x 4 samples "
@@ -167,7 +178,18 @@ def main() -> None:
     parser.add_argument("--eval-examples", type=int, default=100)
     parser.add_argument("--sft-steps", type=int, default=1200)
     parser.add_argument("--sft-min-lr-ratio", type=float, default=0.3)
+    parser.add_argument("--preset", default="configs/tiny/rl.toml", help="the RL preset under every recipe")
+    parser.add_argument(
+        "--override", action="append", default=[], metavar="RECIPE=ARGS",
+        help='more rl.py arguments for one recipe, e.g. gspo="--loss.clip-low 0.01 --loss.clip-high 0.01"',
+    )  # fmt: skip
     args = parser.parse_args()
+    args.overrides = {}
+    for override in args.override:
+        recipe, _, extra = override.partition("=")
+        if recipe not in RECIPES:
+            parser.error(f"--override {override!r}: the recipe before '=' must be one of {', '.join(RECIPES)}")
+        args.overrides[recipe] = shlex.split(extra)
     args.out = args.out.resolve()
     print(f"run dir: {args.out}")
     model = (args.model or warmed_model(args)).resolve()
