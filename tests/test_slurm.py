@@ -60,7 +60,10 @@ def test_two_inference_nodes_run_a_vllm_head_and_a_headless_node(tmp_path):
     cluster.write_text(
         '[slurm]\ninference_nodes = 2\nsbatch = ["constraint=h100"]\nserve = ["vllm.cpu-kv-cache-gib=2"]\n'
     )
+    # A model only the cluster has: no config.json here to lower the server's limit below the run's seq_len
+    # (with outputs/tiny/sft from `make sft ENV=tiny` on this machine, its 2048 positions would).
     args = ["@", str(ROOT / "configs/tiny/rl.toml"), "@", str(cluster), "--output-dir", "runs/a"]
+    args += ["--model.name", "/cluster/models/tiny"]
     args += ["--slurm.trainer-nodes", "3", "--slurm.gpus-per-node", "4", "--slurm.partition", "gpu"]
     args += ["--slurm.time", "2:00:00", "--slurm.account", "lab", "--slurm.rpc-port", "14000"]
     script, text = render("rl", args, tmp_path)
