@@ -188,7 +188,9 @@ def main() -> None:
     for override in args.override:
         recipe, _, extra = override.partition("=")
         if recipe not in RECIPES:
-            parser.error(f"--override {override!r}: the recipe before '=' must be one of {', '.join(RECIPES)}")
+            parser.error(
+                f"--override {override!r}: the recipe before '=' must be one of {', '.join(RECIPES)}"
+            )
         args.overrides[recipe] = shlex.split(extra)
     args.out = args.out.resolve()
     print(f"run dir: {args.out}")
