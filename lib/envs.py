@@ -42,7 +42,9 @@ def vf_env_config(env: EnvConfig) -> dict:
     return {
         "taskset": {"id": resolve_id(env.id), **taskset_args(env)},
         # Without these pins verifiers would start a remote sandbox and its `bash` harness.
-        "agent": {"harness": {"id": "plainrl_chat"}, "runtime": {"type": "subprocess"}, "retries": retries},
+        "agent": {"harness": {"id": "plainrl_chat"}, "runtime": {"type": "subprocess"}},
+        # Whole episodes (run_episode): verifiers' agent does not retry a multi-turn exchange.
+        "retries": retries,
         "interception": {"type": "server"},
     }
 
@@ -171,8 +173,10 @@ async def serving(vf_env: "vf.Env"):
 
 async def run_episode(vf_env: "vf.Env", task, ctx: "vf.ModelContext") -> "vf.Episode":
     """One episode of `task`; call inside `async with serving(vf_env):`. Failures come back as data, never raised."""
+    from verifiers.v1.utils.retries import run_episode_with_retry
+
     patches.rebind_renderers_lock()
-    return await vf_env.run_episode(task, ctx)
+    return await run_episode_with_retry(lambda: vf_env.run_episode(task, ctx), vf_env.config.retries)
 
 
 async def run_group(
@@ -212,10 +216,12 @@ async def gather_or_cancel(coroutines) -> list:
 
 
 def episode_error(episode: "vf.Episode") -> str | None:
-    """Why an episode failed (the last error of the episode or of its traces), or None if it did not."""
-    errors = list(episode.errors) + [error for trace in episode.traces for error in trace.errors]
-    if episode.ok and not errors:
+    """Why an episode failed (the last error of the episode or of its traces), or None if it did not.
+
+    An episode that succeeded on a retry keeps the failed attempts' errors; `ok` is its verdict."""
+    if episode.ok:
         return None
+    errors = list(episode.errors) + [error for trace in episode.traces for error in trace.errors]
     if not errors:
         return "the episode did not complete (no error recorded)"
     return f"{errors[-1].type}: {errors[-1].message}"

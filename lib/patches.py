@@ -65,6 +65,17 @@ def use_aiohttp_transport() -> None:
 
     class VllmDialectTransport(AiohttpTransport):
         async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            try:
+                return await self.send(request)
+            except httpx.TimeoutException as error:
+                # httpx_aiohttp 0.2 turns every dropped connection into ConnectTimeout, which the clients
+                # report as "Request timed out." and never retry; a drop is a connection error (retried).
+                cause = error.__cause__
+                if isinstance(cause, aiohttp.ClientConnectionError) and not isinstance(cause, TimeoutError):
+                    raise httpx.RemoteProtocolError(str(cause) or "server disconnected") from cause
+                raise
+
+        async def send(self, request: httpx.Request) -> httpx.Response:
             if not request.url.path.endswith(GENERATE_PATH):
                 return await super().handle_async_request(request)
             body = fit_max_tokens({**json.loads(request.content), "return_token_ids": True})
@@ -85,7 +96,10 @@ def use_aiohttp_transport() -> None:
 
     def session() -> aiohttp.ClientSession:
         # No connection limit (the caller's semaphore bounds them); proxies from the environment, as httpx.
-        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), trust_env=True)
+        # Idle connections are let go after 2 s, before uvicorn's 5 s (both engines' servers) closes them:
+        # a connection reused just as its server closes it fails its request.
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
+        return aiohttp.ClientSession(connector=connector, trust_env=True)
 
     def build_async_httpx(config) -> httpx.AsyncClient:
         # The transport opens the session at its first request, inside the event loop that sends it.

@@ -1,6 +1,10 @@
 """Environments: loading by id, episodes through both clients, and the rollouts they give."""
 
 import asyncio
+import contextlib
+import select
+import socket
+import threading
 from pathlib import Path
 
 import pytest
@@ -173,6 +177,74 @@ def test_a_failing_server_is_an_error_not_a_crash():
     with serve(oracle_app([], broken=True)) as url:
         episodes = run(vf_env, load_tasks(vf_env, env)[0], model_context(url, "oracle", SamplingConfig()), 2)
     assert all("500" in episode_error(e) for e in episodes)
+
+
+@contextlib.contextmanager
+def dropping_first_reuse(url: str):
+    """A TCP proxy in front of `url` that closes, once, a kept-alive connection as its next request arrives:
+    what a server does when its keep-alive timeout ends just as the client reuses the connection.
+    Yields (the proxy's /v1 URL, a list that gets one entry when the drop happened)."""
+    upstream = ("127.0.0.1", int(url.rsplit(":", 1)[1].split("/")[0]))
+    listener = socket.create_server(("127.0.0.1", 0))
+    dropped: list[int] = []
+
+    def pipe(client: socket.socket) -> None:
+        answered = False
+        with client, socket.create_connection(upstream) as server:
+            while True:
+                ready, _, _ = select.select([client, server], [], [])
+                if client in ready:
+                    data = client.recv(65536)
+                    if not data or (answered and not dropped):
+                        if data:
+                            dropped.append(1)
+                        return
+                    server.sendall(data)
+                if server in ready:
+                    data = server.recv(65536)
+                    if not data:
+                        return
+                    answered = True
+                    client.sendall(data)
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                threading.Thread(target=pipe, args=(listener.accept()[0],), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}/v1", dropped
+    finally:
+        listener.close()
+
+
+@pytest.mark.parametrize("env_id,args", [("reverse_text", SYNTHETIC), ("alphabet_sort", THREE_TURNS)])
+@pytest.mark.parametrize("train", [False, True])
+def test_a_request_the_server_drops_on_a_reused_connection_reruns_the_rollout(env_id, args, train, tiny_dir):
+    # A dropped connection is a connection error, retried, not a timeout: as "Request timed out." it once
+    # failed every rollout of a group in CI. Single-turn rollouts are retried by the agent, multi-turn
+    # ones (an exchange, which verifiers' agent does not retry) by the environment.
+    from transformers import AutoTokenizer
+
+    env = EnvConfig(id=env_id, args=args, num_examples=1)
+    vf_env = load_env(env)
+    task = load_tasks(vf_env, env)[0]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+
+    async def two_groups(ctx):  # the second group reuses the first one's connections
+        async with serving(vf_env):
+            return [*await run_group(vf_env, task, ctx, 2), *await run_group(vf_env, task, ctx, 2)]
+
+    with (
+        serve(oracle_app(sft_conversations(env), tokenizer)) as url,
+        dropping_first_reuse(url) as (proxy, dropped),
+    ):
+        ctx = model_context(proxy, "oracle", SamplingConfig(max_tokens=512), train=train, tokenizer=tiny_dir)
+        episodes = asyncio.run(two_groups(ctx))
+    assert dropped == [1]
+    assert [episode_error(e) for e in episodes] == [None] * 4
+    assert [episode_reward(e) for e in episodes] == [1.0] * 4
 
 
 def test_leaving_serving_closes_the_harness_http_session():
