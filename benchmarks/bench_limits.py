@@ -328,18 +328,19 @@ def main() -> None:
 
     from transformers import AutoConfig
 
-    from lib.model import cpu_has_bf16
+    from lib.model import cpu_has_bf16, cpu_name
 
     config = AutoConfig.from_pretrained(args.model).get_text_config()
 
     results = {
         "model": args.model,
         "threads": args.threads,
+        "cpu": cpu_name(),
         "cpu_has_bf16": cpu_has_bf16(),
         "args": vars(args),
     }
     print(
-        f"{args.model}: hidden {config.hidden_size}, {config.num_hidden_layers} layers; native bf16: {cpu_has_bf16()}"
+        f"{args.model}: hidden {config.hidden_size}, {config.num_hidden_layers} layers; {cpu_name()}, native bf16: {cpu_has_bf16()}"
     )
     if "peaks" in args.sections or "trainer" in args.sections:
         print("peaks")

@@ -244,6 +244,8 @@ def main() -> None:
         runs.append((trl, plainrl))
     if args.skip_trl:
         return
+    from lib.model import cpu_name
+
     speedups = [trl["seconds_per_step"] / plainrl["seconds_per_step"] for trl, plainrl in runs]
     medians = [trl["seconds_per_step_median"] / plainrl["seconds_per_step_median"] for trl, plainrl in runs]
     last10 = {
@@ -258,6 +260,7 @@ def main() -> None:
         json.dumps(
             {
                 "seeds": args.seeds,
+                "cpu": cpu_name(),
                 "plainrl_speedup": [round(x, 2) for x in speedups],
                 "plainrl_speedup_median": [round(x, 2) for x in medians],
                 "reward_last10": {side: mean_se(values) for side, values in last10.items()},

@@ -71,6 +71,19 @@ def cpu_has_bf16() -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
+def cpu_name() -> str:
+    """This machine's CPU model and core count, as benchmarks record it ("Intel(R) Xeon(R) Processor (family 6
+    model 207) x 2"): speed figures compare only on one kind of CPU."""
+    cpuinfo = Path("/proc/cpuinfo")
+    text = cpuinfo.read_text() if cpuinfo.is_file() else ""
+
+    def first(key: str) -> str:
+        found = re.search(rf"^{key}\s*:\s*(.*)$", text, re.M)
+        return found.group(1).strip() if found else "?"
+
+    return f"{first('model name')} (family {first('cpu family')} model {first('model')}) x {os.cpu_count()}"
+
+
 def trains_in_bf16(config: ModelConfig, device: str, hidden_size: int) -> bool:
     """Whether the trainer runs its forward under bf16 autocast (model.autocast)."""
     if config.autocast != "auto":

@@ -296,3 +296,17 @@ def test_a_model_runs_in_the_dtype_its_trainer_computes_in(monkeypatch):
         assert runs_in_dtype(ModelConfig(dtype="bfloat16"), "cpu", narrow) == "bfloat16"
         assert runs_in_dtype(ModelConfig(), "cuda", narrow) == "bfloat16"
         assert runs_in_dtype(ModelConfig(dtype="float32"), "cuda", wide) == "float32"
+
+
+def test_benchmarks_name_the_cpu_by_model_and_family_and_count_its_cores():
+    import os
+    import re
+    from pathlib import Path
+
+    from lib.model import cpu_name
+
+    text = Path("/proc/cpuinfo").read_text()
+    model_name = re.search(r"^model name\s*:\s*(.*)$", text, re.M).group(1).strip()
+    family = re.search(r"^cpu family\s*:\s*(\d+)", text, re.M).group(1)
+    assert cpu_name().startswith(f"{model_name} (family {family} model ")
+    assert cpu_name().endswith(f") x {os.cpu_count()}")
