@@ -54,6 +54,8 @@ def use_aiohttp_transport() -> None:
     - a request that carries SEQ_LEN_KEY asks for at most what is left of it after its prompt
       (`fit_max_tokens`), so an episode ends where a training row does instead of failing with a 400
       from a server whose max_model_len is seq_len.
+    A dropped connection fails its request as a connection error, which rollouts retry, not as the timeout
+    httpx_aiohttp calls it; idle connections are closed before the servers' keep-alive ends.
     """
     import json
 
@@ -66,7 +68,7 @@ def use_aiohttp_transport() -> None:
     class VllmDialectTransport(AiohttpTransport):
         async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
             try:
-                return await self.send(request)
+                return await self.vllm_dialect(request)
             except httpx.TimeoutException as error:
                 # httpx_aiohttp 0.2 turns every dropped connection into ConnectTimeout, which the clients
                 # report as "Request timed out." and never retry; a drop is a connection error (retried).
@@ -75,7 +77,7 @@ def use_aiohttp_transport() -> None:
                     raise httpx.RemoteProtocolError(str(cause) or "server disconnected") from cause
                 raise
 
-        async def send(self, request: httpx.Request) -> httpx.Response:
+        async def vllm_dialect(self, request: httpx.Request) -> httpx.Response:
             if not request.url.path.endswith(GENERATE_PATH):
                 return await super().handle_async_request(request)
             body = fit_max_tokens({**json.loads(request.content), "return_token_ids": True})
