@@ -54,8 +54,6 @@ def use_aiohttp_transport() -> None:
     - a request that carries SEQ_LEN_KEY asks for at most what is left of it after its prompt
       (`fit_max_tokens`), so an episode ends where a training row does instead of failing with a 400
       from a server whose max_model_len is seq_len.
-    A dropped connection fails its request as a connection error, which rollouts retry, not as the timeout
-    httpx_aiohttp calls it; idle connections are closed before the servers' keep-alive ends.
     """
     import json
 
