@@ -61,24 +61,26 @@ CPU_BF16_MIN_HIDDEN_SIZE = 256
 
 
 @functools.cache
+def cpuinfo() -> str:
+    """/proc/cpuinfo's text; empty where there is none (not Linux)."""
+    path = Path("/proc/cpuinfo")
+    return path.read_text() if path.is_file() else ""
+
+
+@functools.cache
 def cpu_has_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX); elsewhere oneDNN emulates it, slower
     than float32. Linux only: other systems train in float32."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.is_file():
-        return False
-    flags = set(re.findall(r"\w+", "\n".join(re.findall(r"^flags\s*:(.*)$", cpuinfo.read_text(), re.M))))
+    flags = set(re.findall(r"\w+", "\n".join(re.findall(r"^flags\s*:(.*)$", cpuinfo(), re.M))))
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
 def cpu_name() -> str:
     """This machine's CPU model and core count, as benchmarks record it ("Intel(R) Xeon(R) Processor (family 6
     model 207) x 2"): speed figures compare only on one kind of CPU."""
-    cpuinfo = Path("/proc/cpuinfo")
-    text = cpuinfo.read_text() if cpuinfo.is_file() else ""
 
     def first(key: str) -> str:
-        found = re.search(rf"^{key}\s*:\s*(.*)$", text, re.M)
+        found = re.search(rf"^{key}\s*:\s*(.*)$", cpuinfo(), re.M)
         return found.group(1).strip() if found else "?"
 
     return f"{first('model name')} (family {first('cpu family')} model {first('model')}) x {os.cpu_count()}"

@@ -223,8 +223,8 @@ def dropping_first_reuse(url: str):
 @pytest.mark.parametrize("train", [False, True])
 def test_a_request_the_server_drops_on_a_reused_connection_reruns_the_rollout(env_id, args, train, tiny_dir):
     # A dropped connection is a connection error, retried, not a timeout: as "Request timed out." it once
-    # failed every rollout of a group in CI. Single-turn rollouts are retried by the agent, multi-turn
-    # ones (an exchange, which verifiers' agent does not retry) by the environment.
+    # failed every rollout of a group in CI. Episodes are retried whole, single- and multi-turn alike
+    # (verifiers' agent does not retry a multi-turn exchange).
     from transformers import AutoTokenizer
 
     env = EnvConfig(id=env_id, args=args, num_examples=1)
