@@ -4,7 +4,7 @@ recomputed by the trainer with vLLM's CPU rules (lib/sampling.py kept_mask, lib/
 import pytest
 import torch
 from conftest import ROOT, load_script
-from test_rl import rl, rl_config, server  # noqa: F401 (server: the builtin engine the runs attach to)
+from test_rl import learned, rl, rl_config, server  # noqa: F401 (server: the builtin engine the runs attach to)
 
 from lib import head
 from lib.config import parse
@@ -65,7 +65,7 @@ def three_ways(raw, top_k: int, top_p: float, vllm_rule):
 
 
 def trained_steps(result) -> list[dict]:
-    steps = [m for m in result["history"] if m["train/loss"] != 0.0]
+    steps = [m for m in result["history"] if learned(m)]
     assert steps, "no step had a learning signal"
     return steps
 
