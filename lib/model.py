@@ -25,6 +25,10 @@ class ModelConfig:
     """The trainer's forward under bf16 autocast over float32 master weights. auto = on CUDA unless model.dtype
     is float32; on a CPU with native bf16 (AVX512-BF16 or AMX) when model.dtype is auto and the hidden size
     is >= 256 (narrower models train faster in float32)."""
+    compile: Literal["auto", "on", "off"] = "auto"
+    """torch.compile the trainer's norms and MLPs, each module by itself (their elementwise ops fuse; attention
+    and the output layer stay eager). auto = on a CPU where autocast's auto rule picks bf16 (native bf16, hidden
+    size >= 256) and a C++ compiler is installed (SmolLM2: -11% a step, docs/benchmarks.md)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to run; auto = CUDA when available."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
@@ -94,6 +98,34 @@ def trains_in_bf16(config: ModelConfig, device: str, hidden_size: int) -> bool:
         return config.dtype != "float32"
     # bf16 weights on a CPU stay as they are; float32 asked for is float32.
     return config.dtype == "auto" and cpu_has_bf16() and hidden_size >= CPU_BF16_MIN_HIDDEN_SIZE
+
+
+def compiles(config: ModelConfig, device: str, bf16_compute: bool, hidden_size: int) -> bool:
+    """Whether the trainer compiles its norms and MLPs (model.compile): auto where bf16 autocast pays on a CPU."""
+    if config.compile != "auto":
+        return config.compile == "on"
+    if device.startswith("cuda") or not bf16_compute or hidden_size < CPU_BF16_MIN_HIDDEN_SIZE:
+        return False
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    try:
+        get_cpp_compiler()  # inductor's C++ kernels need one
+    except InvalidCxxCompiler:
+        return False
+    return True
+
+
+def compile_norms_and_mlps(model) -> None:
+    """torch.compile each RMSNorm and MLP module of a transformers model in place (dynamic shapes: packed rows
+    and micro-batches vary). In eager mode their float32 norms and SiLU-times-up pass over the activations
+    op by op, ~a third of a bf16 step on a CPU; compiled, each module's elementwise ops make one pass."""
+    import torch._inductor.config
+
+    torch._inductor.config.compile_threads = 1  # in-process: no pool of compiler workers beside the server
+    for module in model.modules():
+        if type(module).__name__.endswith(("RMSNorm", "MLP")):
+            module.compile(dynamic=True)
 
 
 def runs_in_dtype(config: ModelConfig, device: str, hidden_size: int) -> str:
@@ -271,6 +303,8 @@ def load_trainable(
         )
         model = peft.get_peft_model(model, adapters)
     use_chunked_head(model)  # training scores tokens without (tokens, vocabulary) logits (lib/head.py)
+    if compiles(model_config, device, bf16_compute, model.config.get_text_config().hidden_size):
+        compile_norms_and_mlps(model)
     model.train()
     if world_size > 1:
         # On CPUs the ranks gather float32 (gloo), and autocast casts as on one process.

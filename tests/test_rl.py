@@ -262,11 +262,20 @@ def test_on_policy_ratio_is_one_and_the_server_gets_each_step_weights(tiny_dir, 
     assert max(abs(a - b) for a, b in zip(choice["logprobs"]["token_logprobs"], expected)) < 1e-4
 
 
-def test_bf16_autocast_on_cpu_keeps_the_on_policy_ratio_within_bf16_tolerance(tiny_dir, server, tmp_path):
+@pytest.mark.parametrize("compiled", ["off", "on"])
+def test_bf16_autocast_on_cpu_keeps_the_on_policy_ratio_within_bf16_tolerance(
+    compiled, tiny_dir, server, tmp_path
+):
     # The trainer's matmuls in bf16 over float32 master weights, the server's in float32 on the float32
-    # weights written: only bf16's rounding separates them, as on a GPU (docs/metrics.md: 1 +- 0.01).
-    flags = ("--max-async-level", "0", "--model.autocast", "on")
+    # weights written: only bf16's rounding separates them, as on a GPU (docs/metrics.md: 1 +- 0.01). The
+    # same with the trainer's norms and MLPs compiled (model.compile, auto on a wide model's bf16 CPU run).
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    flags = ("--max-async-level", "0", "--model.autocast", "on", "--model.compile", compiled)
     result = rl.main(rl_config(tiny_dir, tmp_path / "run", server.url, *flags))
+    assert (counters["stats"]["unique_graphs"] > 0) == (compiled == "on")
     trained = [m for m in result["history"] if learned(m)]
     assert trained, "no step had a learning signal"
     for metrics in trained:

@@ -243,6 +243,11 @@ def test_bf16_autocast_on_cpu_trains_float32_master_weights_and_tracks_float32s_
     float32 = run(*flags(tiny_dir, data_file, tmp_path / "float32", "--model.autocast", "off"))
     bf16 = run(*flags(tiny_dir, data_file, tmp_path / "bf16", "--model.autocast", "on"))
     assert losses(bf16["history"])[-1] < losses(bf16["history"])[0]
+    # The norms and MLPs compiled (model.compile) fuse their elementwise ops: the same curve within bf16's rounding.
+    compiled = run(
+        *flags(tiny_dir, data_file, tmp_path / "compiled", "--model.autocast", "on", "--model.compile", "on")
+    )
+    assert losses(compiled["history"]) == pytest.approx(losses(bf16["history"]), rel=1e-2)
     # bf16 matmuls round differently (so they ran), yet AdamW's float32 updates keep the curve on float32's.
     assert losses(bf16["history"]) != losses(float32["history"])
     assert losses(bf16["history"]) == pytest.approx(losses(float32["history"]), rel=2e-2)
@@ -278,6 +283,29 @@ def test_autocast_auto_is_bf16_on_a_bf16_cpu_for_wide_models_and_forceable_both_
     assert trains_in_bf16(ModelConfig(autocast="on"), "cpu", hidden_size=narrow)
     assert trains_in_bf16(ModelConfig(), "cuda", hidden_size=narrow)
     assert not trains_in_bf16(ModelConfig(dtype="float32"), "cuda", hidden_size=wide)
+
+
+def test_compile_auto_is_on_where_bf16_autocast_pays_on_a_cpu_with_a_compiler(monkeypatch):
+    import torch._inductor.cpp_builder as builder
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    from lib import model
+    from lib.model import ModelConfig, compiles
+
+    wide, narrow = model.CPU_BF16_MIN_HIDDEN_SIZE, model.CPU_BF16_MIN_HIDDEN_SIZE // 2
+    monkeypatch.setattr(builder, "get_cpp_compiler", lambda: "g++")
+    assert compiles(ModelConfig(), "cpu", bf16_compute=True, hidden_size=wide)
+    assert not compiles(ModelConfig(), "cpu", bf16_compute=True, hidden_size=narrow)  # the tiny model
+    assert not compiles(ModelConfig(), "cpu", bf16_compute=False, hidden_size=wide)  # float32: not measured
+    assert not compiles(ModelConfig(), "cuda", bf16_compute=True, hidden_size=wide)
+    assert not compiles(ModelConfig(compile="off"), "cpu", bf16_compute=True, hidden_size=wide)
+    assert compiles(ModelConfig(compile="on"), "cpu", bf16_compute=False, hidden_size=narrow)
+
+    def no_compiler():
+        raise InvalidCxxCompiler
+
+    monkeypatch.setattr(builder, "get_cpp_compiler", no_compiler)
+    assert not compiles(ModelConfig(), "cpu", bf16_compute=True, hidden_size=wide)
 
 
 def test_a_model_runs_in_the_dtype_its_trainer_computes_in(monkeypatch):
