@@ -64,11 +64,21 @@ def engine(request):
 
 @pytest.fixture(scope="module")
 def hidden_server(engine, trained_tiny, tmp_path_factory):
+    """The module's server and its root, as a function: a server a test killed is replaced on the next call
+    (a vLLM start takes a minute, so the kill test kills this one rather than start its own)."""
     root = tmp_path_factory.mktemp(f"failures-{engine}")
-    server = start_hidden(engine, trained_tiny, root, "hidden-server")
-    yield server, root
-    os.killpg(server.process.pid, signal.SIGCONT)
-    server.stop()
+    servers = []
+
+    def live() -> tuple[inference.Server, object]:
+        if not servers or servers[-1].process.poll() is not None:
+            servers.append(start_hidden(engine, trained_tiny, root, f"hidden-server-{len(servers)}"))
+        return servers[-1], root
+
+    yield live
+    for server in servers:
+        if server.process.poll() is None:
+            os.killpg(server.process.pid, signal.SIGCONT)
+        server.stop()
 
 
 def run_args(model, out, url, *extra) -> list[str]:
@@ -107,7 +117,7 @@ def resume(model, out, url, steps: int) -> dict:
 
 
 def test_a_frozen_server_ends_the_run_in_seconds_and_resume_continues(hidden_server, trained_tiny, capsys):
-    server, root = hidden_server
+    server, root = hidden_server()
     out = root / "frozen"
     freeze = lambda: os.killpg(server.process.pid, signal.SIGSTOP)  # noqa: E731 (engine processes too)
     sentence, seconds = run_until_failure(
@@ -126,7 +136,7 @@ def test_a_frozen_server_ends_the_run_in_seconds_and_resume_continues(hidden_ser
 
 def test_a_server_frozen_during_an_evaluation_ends_the_run_in_seconds(hidden_server, trained_tiny):
     """The verifiers client has no read timeout: only the evaluation's own health checks end it."""
-    server, root = hidden_server
+    server, root = hidden_server()
     out = root / "frozen-eval"
     evaluation = ["--eval.every", "3", "--eval.num-examples", "4", "--eval.rollouts-per-example", "4"]
     freeze = lambda: os.killpg(server.process.pid, signal.SIGSTOP)  # noqa: E731
@@ -145,7 +155,7 @@ def test_a_server_frozen_during_an_evaluation_ends_the_run_in_seconds(hidden_ser
 
 
 def test_a_server_that_cannot_see_the_run_directory_stops_it_before_training(hidden_server, trained_tiny):
-    server, root = hidden_server
+    server, root = hidden_server()
     out = root / "hidden" / "run"  # written here, invisible to the server
     began = time.monotonic()
     with pytest.raises(ValueError) as stopped:
@@ -159,17 +169,14 @@ def test_a_server_that_cannot_see_the_run_directory_stops_it_before_training(hid
 
 
 def test_a_killed_server_ends_the_run_in_seconds_and_resume_continues(
-    engine, trained_tiny, tmp_path, request
+    engine, hidden_server, trained_tiny, request
 ):
-    server = start_hidden(engine, trained_tiny, tmp_path, "killed-server")
-    out = tmp_path / "killed"
+    server, root = hidden_server()
+    out = root / "killed"
     kill = lambda: os.killpg(server.process.pid, signal.SIGKILL)  # noqa: E731
-    try:
-        sentence, seconds = run_until_failure(
-            run_args(trained_tiny, out, server.url), out / "checkpoints" / "step_2", kill
-        )
-    finally:
-        server.stop()
+    sentence, seconds = run_until_failure(
+        run_args(trained_tiny, out, server.url), out / "checkpoints" / "step_2", kill
+    )
     assert "not reachable" in sentence or "did not answer" in sentence, sentence
     assert seconds < NOTICE_S, seconds
     print(f"\nkilled server: the run ended {seconds:.1f} s after kill -9: {sentence}")
@@ -180,8 +187,6 @@ def test_a_killed_server_ends_the_run_in_seconds_and_resume_continues(
         replacement = request.getfixturevalue("vllm_server")
         result = resume(trained_tiny, out, replacement.url, checkpoint + 2)
     else:
-        with inference.running_server(
-            str(trained_tiny), engine="torch", weights_root=tmp_path
-        ) as replacement:
+        with inference.running_server(str(trained_tiny), engine="torch", weights_root=root) as replacement:
             result = resume(trained_tiny, out, replacement.url, checkpoint + 2)
     assert len(result["history"]) == 2 and (out / "checkpoints" / f"step_{checkpoint + 2}").is_dir()
