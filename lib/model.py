@@ -119,7 +119,8 @@ def compiles(config: ModelConfig, device: str, bf16_compute: bool, hidden_size: 
 def compile_norms_and_mlps(model) -> None:
     """torch.compile each RMSNorm and MLP module of a transformers model in place (dynamic shapes: packed rows
     and micro-batches vary). In eager mode their float32 norms and SiLU-times-up pass over the activations
-    op by op, ~a third of a bf16 step on a CPU; compiled, each module's elementwise ops make one pass."""
+    op by op (with RoPE, residual adds and the output layer's softmax, 30-36% of a bf16 step on a CPU,
+    benchmarks/bench_limits.py); compiled, each module's elementwise ops make one pass."""
     import torch._inductor.config
 
     torch._inductor.config.compile_threads = 1  # in-process: no pool of compiler workers beside the server
@@ -287,7 +288,8 @@ def load_trainable(
     )
     model = load_model(train_config, device)
     # bf16 compute over float32 master weights: AdamW's small updates survive, which bf16 weights round away.
-    bf16_compute = trains_in_bf16(model_config, device, model.config.get_text_config().hidden_size)
+    hidden_size = model.config.get_text_config().hidden_size
+    bf16_compute = trains_in_bf16(model_config, device, hidden_size)
     if packing and model_config.attn_implementation == "sdpa":
         use_packed_attention(model)  # flash_attention_2 reads packed rows natively; eager gets a dense mask
     if activation_checkpointing:
@@ -303,7 +305,7 @@ def load_trainable(
         )
         model = peft.get_peft_model(model, adapters)
     use_chunked_head(model)  # training scores tokens without (tokens, vocabulary) logits (lib/head.py)
-    if compiles(model_config, device, bf16_compute, model.config.get_text_config().hidden_size):
+    if compiles(model_config, device, bf16_compute, hidden_size):
         compile_norms_and_mlps(model)
     model.train()
     if world_size > 1:
@@ -314,5 +316,4 @@ def load_trainable(
     def autocast():
         return torch.autocast(device_type, dtype=torch.bfloat16) if bf16_compute else contextlib.nullcontext()
 
-    hidden_size = model.config.get_text_config().hidden_size
     return model, getattr(torch, runs_in_dtype(model_config, device_type, hidden_size)), autocast
