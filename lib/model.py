@@ -229,11 +229,18 @@ def grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
     """transformers' sdpa attention, but with a mask on a grouped-query model SDPA groups the key/value heads
     itself (enable_gqa) instead of getting copies of them: transformers copies them whenever a mask is given,
     since CUDA's fast kernels take no mask with grouped heads, while on a CPU the copy was 15% of the
-    builtin engine's decode and the attention 3-4x slower. Same results (tests/test_engine.py)."""
+    builtin engine's decode and the attention 3-4x slower. A decode step (one query token a row) takes
+    float32_attention instead. Same results (tests/test_engine.py)."""
     import torch.nn.functional as F
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if attention_mask is None or key.shape[1] == query.shape[1] or kwargs.get("position_bias") is not None:
+    from lib.packing import float32_attention
+
+    plain = kwargs.get("position_bias") is None and kwargs.get("softcap") is None and not dropout
+    if plain and query.shape[2] == 1 and (attention_mask is None or attention_mask.shape[1] == 1):
+        return float32_attention(query, key, value, attention_mask, scaling).transpose(1, 2), None
+    key, value = key.to(query.dtype), value.to(query.dtype)  # the engine's cache keeps float32 (decode.py)
+    if attention_mask is None or key.shape[1] == query.shape[1] or not plain:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True

@@ -212,6 +212,9 @@ def sequence_bounds(position_ids, rows: int, length: int) -> dict:
     return bounds
 
 
+# A bf16 sample up to this long attends through float32 matmuls on a CPU, where SDPA's causal kernel took ~1.5x
+# longer over a forward and backward of 100-token samples (float32_attention).
+SHORT_SAMPLE = 128
 VARLEN_DEVICES = ("cuda",)  # devices with a variable-length attention kernel (torch's has no CPU backend)
 
 
@@ -249,7 +252,6 @@ def packed_attention(
     `packed_bounds`, a keyword of the model's forward that reaches every layer, saves finding them again.
     """
     import torch
-    import torch.nn.functional as F
 
     assert attention_mask is None and dropout == 0.0, "packed attention takes neither a mask nor dropout"
     rows, heads, length, dim = query.shape  # query (B, H, L, D); key, value (B, KV heads, L, D)
@@ -285,13 +287,11 @@ def packed_attention(
     for row, row_starts in enumerate(bounds["starts"]):
         edges = [*row_starts, length]
         pieces = [
-            F.scaled_dot_product_attention(
+            sample_attention(
                 query[row : row + 1, :, s:e],
                 key[row : row + 1, :, s:e],
                 value[row : row + 1, :, s:e],
-                is_causal=True,
-                scale=scaling,
-                enable_gqa=True,
+                scaling,
             )
             for s, e in zip(edges, edges[1:])
         ]
@@ -305,3 +305,40 @@ def use_packed_attention(model) -> None:
 
     AttentionInterface.register("plainrl_packed", packed_attention)
     model.set_attn_implementation("plainrl_packed")
+
+
+def sample_attention(query, key, value, scaling):
+    """Causal attention within one sample: (1, heads, L, D) and (1, kv heads, L, D) -> (1, heads, L, D)."""
+    import torch
+    import torch.nn.functional as F
+
+    length = query.shape[2]
+    if query.device.type == "cpu" and query.dtype == torch.bfloat16 and length <= SHORT_SAMPLE:
+        causal = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
+        return float32_attention(query, key, value, causal[None, None], scaling)
+    return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+
+
+def float32_attention(query, key, value, mask=None, scaling=None):
+    """Attention as two matmuls in float32, each key/value head's query heads taken together (no copies of
+    the grouped heads): query (B, heads, Q, D), key and value (B, kv heads, T, D), mask None or (B or 1, 1, Q,
+    T), bool (True attends) or additive -> (B, heads, Q, D) in query's dtype. On a CPU, SDPA's kernel took
+    4-5x longer for a decode step (64 rows of SmolLM2, bf16) and ~1.5x for a short sample's causal forward and
+    backward; float32 scores keep it as close to a float64 reference as SDPA (tests/test_engine.py)."""
+    import torch
+
+    batch, heads, length, dim = query.shape
+    groups, keys = key.shape[1], key.shape[2]
+    per_group = heads // groups
+    with torch.autocast(query.device.type, enabled=False):  # float32 even inside a bf16 autocast region
+        grouped = query.float().reshape(batch, groups, per_group * length, dim)  # rows: (head, query)
+        scale = dim**-0.5 if scaling is None else scaling
+        scores = (grouped @ key.float().transpose(-1, -2) * scale).view(
+            batch, groups, per_group, length, keys
+        )
+        if mask is not None:
+            mask = mask[..., :keys].unsqueeze(1)  # (B or 1, 1, 1, Q, T)
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        weights = scores.softmax(dim=-1).view(batch, groups, per_group * length, keys)
+        out = weights @ value.float()  # (B, kv, heads per kv x Q, D)
+    return out.view(batch, heads, length, dim).to(query.dtype)

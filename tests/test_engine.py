@@ -124,3 +124,60 @@ def test_decode_groups_the_key_value_heads_in_the_kernel_without_copying_them(ti
             logp = model(ids).logits[0, :-1].float().log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
             served = torch.tensor(completion.logprobs)
             torch.testing.assert_close(served, logp[len(seq.prompt_ids) - 1 :], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_steps_attention_is_as_close_to_float64_as_sdpas(dtype):
+    # A decode step's attention (one query token a row, SmolLM2's 9 query heads over 3 key/value heads, left
+    # padding masked) goes through two float32 matmuls instead of SDPA's CPU kernel, which took 4-5x longer on
+    # this shape. Its error against a float64 reference must be no larger than SDPA's own.
+    import torch.nn.functional as F
+
+    from lib.model import grouped_sdpa
+    from lib.packing import float32_attention
+
+    generator = torch.Generator().manual_seed(0)
+    rows, heads, groups, length, dim = 8, 9, 3, 40, 64
+    query, key, value = (
+        (torch.randn(rows, n, t, dim, generator=generator) * 2).to(dtype)
+        for n, t in ((heads, 1), (groups, length + 8), (groups, length + 8))
+    )
+    key, value = key[:, :, :length], value[:, :, :length]  # a view of a longer buffer, as a cache could hold
+    mask = torch.ones(rows, 1, 1, length, dtype=torch.bool)
+    mask[0, ..., :30] = mask[3, ..., :5] = False  # left padding
+    expected = F.scaled_dot_product_attention(
+        query.double(),
+        key.double().repeat_interleave(3, 1),
+        value.double().repeat_interleave(3, 1),
+        attn_mask=mask,
+    ).transpose(1, 2)  # (rows, 1, heads, dim)
+    sdpa = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+    ours = float32_attention(query, key, value, mask).transpose(1, 2)
+    assert ours.shape == expected.shape and ours.dtype == dtype
+    sdpa_error = (sdpa.double() - expected).abs().max()
+    assert (ours.double() - expected).abs().max() <= sdpa_error * 1.5 + 1e-6
+    # The same step through the attention function the models call, under a bf16 autocast region too.
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        via_interface, _ = grouped_sdpa(None, query, key, value, mask)
+    torch.testing.assert_close(via_interface, ours, rtol=0, atol=0)
+    additive = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, float("-inf"))  # a float mask
+    torch.testing.assert_close(
+        float32_attention(query, key, value, additive).transpose(1, 2), ours, rtol=0, atol=0
+    )
+
+
+def test_the_kv_cache_grows_in_place_and_holds_what_concatenation_would():
+    # A decode step writes its token into room at the end of the layer's buffers instead of concatenating the
+    # history again; past the room, the buffers are copied into larger ones. Either way they hold the history.
+    from lib.server.decode import GrowingLayer
+
+    layer = GrowingLayer(torch.float32)
+    chunks = [torch.randn(2, 3, n, 4, dtype=torch.bfloat16) for n in (10, *[1] * 70, 5)]
+    buffers = set()
+    for i, chunk in enumerate(chunks):
+        keys, values = layer.update(chunk, -chunk)
+        buffers.add(keys.untyped_storage().data_ptr())
+        history = torch.cat(chunks[: i + 1], dim=2).float()
+        assert keys.dtype == torch.float32 and layer.get_seq_length() == history.shape[2]
+        assert torch.equal(keys, history) and torch.equal(values, -history)
+    assert 1 < len(buffers) < 5  # 86 tokens in a few buffers, not one per step

@@ -222,6 +222,7 @@ def test_under_bf16_autocast_packed_rows_take_the_varlen_kernel_which_equals_the
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits.float()
 
+    monkeypatch.setattr(packing, "SHORT_SAMPLE", 0)  # every sample through SDPA, as the kernel's reference
     looped = logits(("cuda",))
     assert not seen  # on CPU: the SDPA loop
     kernel = logits(("cuda", "cpu"))
@@ -259,3 +260,45 @@ def test_the_varlen_kernel_without_gqa_gets_repeated_key_value_heads(monkeypatch
     monkeypatch.setattr(lib.packing, "varlen_kernel", lambda: ("torch", varlen_without_gqa))
     kernel, _ = lib.packing.packed_attention(None, query, key, value, None, position_ids=position_ids)
     torch.testing.assert_close(kernel, looped, rtol=2e-2, atol=2e-2)
+
+
+def test_on_a_cpu_short_bf16_samples_attend_in_float32_as_close_to_float64_as_sdpa(monkeypatch):
+    # SDPA's causal CPU kernel took ~1.5x longer than two float32 matmuls over a forward and backward of
+    # 100-token samples: samples up to SHORT_SAMPLE take float32_attention, longer ones SDPA. Outputs and
+    # gradients must be as close to a float64 reference as the SDPA loop's.
+    import lib.packing
+
+    monkeypatch.setattr(lib.packing, "SHORT_SAMPLE", 64)
+    calls = []
+    float32_attention = lib.packing.float32_attention
+    monkeypatch.setattr(
+        lib.packing,
+        "float32_attention",
+        lambda q, *rest: calls.append(q.shape[2]) or float32_attention(q, *rest),
+    )
+    generator = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, lengths = 9, 3, 64, [40, 100, 24]  # the 100-token sample stays with SDPA
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    tensors = [
+        torch.randn(1, n, sum(lengths), dim, generator=generator) * 2 for n in (heads, kv_heads, kv_heads)
+    ]
+    upstream = torch.randn(1, sum(lengths), heads, dim, generator=generator)
+
+    def attend(dtype, short):
+        monkeypatch.setattr(lib.packing, "SHORT_SAMPLE", short)
+        inputs = [x.to(dtype).requires_grad_() for x in tensors]
+        out, _ = lib.packing.packed_attention(None, *inputs, None, position_ids=position_ids)
+        (out.double() * upstream).sum().backward()
+        return [out.double()] + [x.grad.double() for x in inputs]
+
+    expected = attend(torch.float64, 64)
+    calls.clear()
+    sdpa = attend(torch.bfloat16, 0)
+    assert calls == []
+    ours = attend(torch.bfloat16, 64)
+    assert calls == [40, 24]
+    for got, reference, exact in zip(ours, sdpa, expected):
+        assert (got - exact).norm() <= 1.5 * (reference - exact).norm(), (
+            (got - exact).norm(),
+            (reference - exact).norm(),
+        )

@@ -5,6 +5,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 # What JSON carries instead of -inf (a filtered-out token's logprob), as vLLM does.
 LOGPROB_FLOOR = -9999.0
@@ -91,7 +93,7 @@ class Batch:
     """The sequences decoded together, and their per-row state. Row i of every tensor is seqs[i]."""
 
     seqs: list[Sequence]
-    cache: object  # transformers DynamicCache, (B, heads, T, head_dim) per layer
+    cache: DynamicCache  # kv_cache's, (B, heads, T, head_dim) per layer
     attention_mask: torch.Tensor  # (B, T), 0 on left padding
     positions: torch.Tensor  # (B,) position id of next_tokens
     temperature: torch.Tensor  # (B,) 1 for greedy rows
@@ -102,6 +104,55 @@ class Batch:
 
 
 ROW_TENSORS = ("positions", "temperature", "top_k", "top_p", "greedy", "next_tokens")
+
+
+class GrowingLayer(DynamicLayer):
+    """A layer's cached keys and values, in buffers with room at the end: a decode step writes its token
+    there, where transformers' DynamicLayer concatenates the whole history again. `dtype` is what they are
+    kept in (None: the model's); on a CPU the engine keeps float32, which float32_attention reads uncast."""
+
+    def __init__(self, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.store = dtype
+        self.room: tuple[torch.Tensor, torch.Tensor] | None = None  # (B, heads, capacity, D) each
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length = 0 if self.room is None else self.keys.shape[-2]
+        end = length + key_states.shape[-2]
+        if self.room is None or end > self.room[0].shape[-2]:
+            capacity = end + max(64, end // 4)  # a resize every ~end/4 steps keeps the copying small
+            old = self.room or (None, None)
+            self.room = tuple(
+                self.grown(new, kept, length, capacity) for new, kept in zip((key_states, value_states), old)
+            )
+        self.room[0][..., length:end, :] = key_states
+        self.room[1][..., length:end, :] = value_states
+        self.keys, self.values = self.room[0][..., :end, :], self.room[1][..., :end, :]
+        return self.keys, self.values
+
+    def grown(
+        self, states: torch.Tensor, old: torch.Tensor | None, length: int, capacity: int
+    ) -> torch.Tensor:
+        buffer = states.new_empty(
+            (*states.shape[:-2], capacity, states.shape[-1]), dtype=self.store or states.dtype
+        )
+        if old is not None:
+            buffer[..., :length, :] = old[..., :length, :]
+        return buffer
+
+
+def kv_cache(config, layers=(), dtype: torch.dtype | None = None) -> DynamicCache:
+    """A cache for `config`'s model whose full-attention layers are GrowingLayers kept in `dtype`, filled
+    with `layers`' (keys, values) when given (sliding-window layers stay transformers' own)."""
+    cache = DynamicCache(config=config)
+    cache.layers = [GrowingLayer(dtype) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    for layer, (keys, values) in zip(cache.layers, layers):
+        layer.update(keys, values)
+    return cache
+
+
 Finished = list[tuple[Sequence, Completion]]
 
 
@@ -124,7 +175,9 @@ def draw(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     (Exp(1) noise for 64 rows of SmolLM2's 49,152 tokens took a third of a decode step on a CPU)."""
     cumulative = logprobs.double().exp_().cumsum_(dim=-1)  # (B, V)
     total = cumulative[:, -1:]  # (B, 1): 1 up to rounding
-    target = torch.minimum(uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))  # < total
+    target = torch.minimum(
+        uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total))
+    )  # < total
     return torch.searchsorted(cumulative, target, right=True).squeeze(-1)  # (B,)
 
 
@@ -154,6 +207,9 @@ class Decoder:
         self.device = next(model.parameters()).device
         self.vocab_size = model.config.vocab_size
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        # lib/model.py's CPU attention reads a float32 cache without casting it each step (float32_attention).
+        grouped = model.config._attn_implementation == "plainrl_grouped_sdpa"
+        self.cache_dtype = torch.float32 if grouped else None
 
     def step(self, batch: Batch | None, new: list[Sequence], label: str) -> tuple[Batch | None, Finished]:
         """Prefills `new` into `batch` and decodes one token for every row: the batch that goes on, and the
@@ -173,14 +229,12 @@ class Decoder:
 
     def forward(self, histories: list[list[int]]) -> tuple[object, torch.Tensor, torch.Tensor]:
         """Runs the model over token lists, left-padded: their KV cache, attention mask and last logits."""
-        from transformers import DynamicCache
-
         width = max(len(ids) for ids in histories)
         ids = torch.tensor([[self.pad_id] * (width - len(h)) + h for h in histories], device=self.device)
         mask = torch.tensor([[0] * (width - len(h)) + [1] * len(h) for h in histories], device=self.device)
         # Every row counts positions from 0 at its first real token, whatever its padding.
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
-        cache = DynamicCache(config=self.model.config)
+        cache = kv_cache(self.model.config, dtype=self.cache_dtype)
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
@@ -227,10 +281,14 @@ class Decoder:
         filtered = any(s.params.temperature > 0 and (s.params.top_k > 0 or s.params.top_p < 1) for s in seqs)
         logprobs = processed_logprobs(logits, batch.temperature, batch.top_k, batch.top_p, filtered)  # (B, V)
         # One uniform number a row (a seeded request's from its own generator) picks its token.
-        uniform = torch.rand(len(seqs), dtype=torch.float64, generator=self.generator, device=self.device)  # (B,)
+        uniform = torch.rand(
+            len(seqs), dtype=torch.float64, generator=self.generator, device=self.device
+        )  # (B,)
         for row, seq in enumerate(seqs):
             if seq.generator is not None:
-                uniform[row] = torch.rand((), dtype=torch.float64, generator=seq.generator, device=self.device)
+                uniform[row] = torch.rand(
+                    (), dtype=torch.float64, generator=seq.generator, device=self.device
+                )
         tokens = draw(logprobs, uniform)  # (B,)
         if bool(batch.greedy.any()):
             tokens = torch.where(batch.greedy, logprobs.argmax(dim=-1), tokens)
@@ -304,22 +362,19 @@ class Decoder:
 
     def select(self, batch: Batch, keep: list[int]) -> Batch:
         """Keeps the given rows, and drops the left columns that are padding in every remaining row."""
-        from transformers import DynamicCache
-
         index = torch.tensor(keep, device=self.device)
         mask = batch.attention_mask[index]
         start = int(mask.any(dim=0).int().argmax())
-        cache = DynamicCache(
+        cache = kv_cache(
+            self.model.config,
             [(keys[index, :, start:], values[index, :, start:]) for keys, values, _ in batch.cache],
-            config=self.model.config,
+            self.cache_dtype,
         )
         rows = {name: getattr(batch, name)[index] for name in ROW_TENSORS}
         return Batch([batch.seqs[row] for row in keep], cache, mask[:, start:], **rows)
 
     def join(self, old: Batch | None, new: Batch | None) -> Batch | None:
         """One batch of both: the shorter history is left-padded (masked) to the longer one."""
-        from transformers import DynamicCache
-
         if old is None or new is None:
             return old or new
         width = max(old.attention_mask.shape[1], new.attention_mask.shape[1])
@@ -334,4 +389,4 @@ class Decoder:
         ]
         rows = {name: torch.cat([getattr(old, name), getattr(new, name)]) for name in ROW_TENSORS}
         mask = torch.cat([pad(old.attention_mask, 1), pad(new.attention_mask, 1)])
-        return Batch(old.seqs + new.seqs, DynamicCache(layers, config=self.model.config), mask, **rows)
+        return Batch(old.seqs + new.seqs, kv_cache(self.model.config, layers, self.cache_dtype), mask, **rows)
