@@ -31,9 +31,9 @@ def one_micro_batch(model_dir: str, tokens: int, chunked: bool, cap_gib: float) 
     import torch
     from transformers import AutoModelForCausalLM
 
+    from lib.attention import use_packed_attention
     from lib.head import next_token_scores, use_chunked_head
     from lib.loss import LossConfig, policy_loss, token_logp
-    from lib.packing import use_packed_attention
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

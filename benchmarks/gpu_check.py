@@ -14,7 +14,7 @@ and Qwen's tokenizer (lib/qwen.py, what scripts/qwen.py writes), in this order:
   activation checkpointing (prime-rl's 0.6B rows recompute). Tokens/s, peak memory and MFU: torchtitan's
   FLOPs (prime-rl's), 6 x parameters + 12 x layers x heads x head_dim x sequence length per token, over
   the GPU's bf16 dense peak (989 TFLOP/s for an H100 SXM; PEAK_TFLOPS, or --peak-tflops);
-- varlen: lib/packing.py's packed attention under bf16 autocast takes the variable-length kernel (its
+- varlen: lib/attention.py's packed attention under bf16 autocast takes the variable-length kernel (its
   calls are counted, in the trainer rows too) and matches the per-sample SDPA loop within bf16 tolerance;
 - head: the chunked output layer (lib/head.py) against full logits: extra peak memory of one forward and
   backward at 4k and 16k loss tokens, and the largest logprob difference between the two;
@@ -76,12 +76,12 @@ SITE_VARIABLE = "PLAINRL_GPU_CHECK_SITE"  # set in the run on top of the install
 # fmt: off
 # What plainrl calls in torch that releases before the lock's 2.13 may lack: (module, name, keywords, caller).
 TORCH_APIS = [
-    ("torch.nn.attention.varlen", "varlen_attn", ("scale", "window_size"), "lib/packing.py"),
+    ("torch.nn.attention.varlen", "varlen_attn", ("scale", "window_size"), "lib/attention.py"),
     ("torch.distributed.fsdp", "fully_shard", ("mp_policy",), "lib/dist.py"),
     ("torch.distributed.fsdp", "MixedPrecisionPolicy", ("param_dtype", "reduce_dtype"), "lib/dist.py"),
     ("torch.distributed.checkpoint.state_dict", "StateDictOptions",
      ("full_state_dict", "cpu_offload", "ignore_frozen_params", "broadcast_from_rank0", "strict"), "lib/dist.py"),
-    ("torch", "get_autocast_dtype", (), "lib/head.py, lib/packing.py"),
+    ("torch", "get_autocast_dtype", (), "lib/head.py, lib/attention.py"),
 ]
 # bf16 dense peak TFLOP/s by device name, first match (torchtitan's and prime-rl's table).
 PEAK_TFLOPS = [("H100 NVL", 835), ("H100 PCIe", 756), ("H100", 989), ("H200", 989), ("H800", 989), ("A100", 312)]
@@ -379,21 +379,21 @@ def train_steps(setup: Setup, model, loss_function, steps: int) -> tuple[float, 
 
 @contextlib.contextmanager
 def counted_varlen_kernel():
-    """Counts lib.packing's calls for the variable-length kernel (one per attention layer it serves)."""
-    from lib import packing
+    """Counts lib.attention's calls for the variable-length kernel (one per attention layer it serves)."""
+    from lib import attention
 
-    original, calls = packing.varlen_kernel, []
+    original, calls = attention.varlen_kernel, []
 
     def counted():
         kernel = original()
         calls.append(kernel[0])
         return kernel
 
-    packing.varlen_kernel = counted
+    attention.varlen_kernel = counted
     try:
         yield calls
     finally:
-        packing.varlen_kernel = original
+        attention.varlen_kernel = original
 
 
 # ---------------------------------------------------------------- sections
@@ -444,7 +444,7 @@ def trainer_row(setup: Setup, kind: str) -> dict:
 def section_varlen(setup: Setup) -> dict:
     import torch
 
-    from lib import packing
+    from lib import attention
 
     samples, length = setup.plan["varlen"]
     c = setup.config
@@ -467,17 +467,17 @@ def section_varlen(setup: Setup) -> dict:
 
     def attend():
         with autocast():
-            out, _ = packing.packed_attention(
+            out, _ = attention.packed_attention(
                 None, query, key, value, None, scaling=dim**-0.5, position_ids=positions
             )
         return out  # (1, T, H, D)
 
-    devices, packing.VARLEN_DEVICES = packing.VARLEN_DEVICES, ()  # the per-sample SDPA loop
+    devices, attention.VARLEN_DEVICES = attention.VARLEN_DEVICES, ()  # the per-sample SDPA loop
     try:
         looped = attend()
         loop_seconds = seconds_per_call(setup, attend, 5)
     finally:
-        packing.VARLEN_DEVICES = devices
+        attention.VARLEN_DEVICES = devices
     figures = {"sdpa_loop_ms": loop_seconds * 1e3, "calls_in_training": None}
     if setup.cuda:
         with counted_varlen_kernel() as calls:

@@ -219,12 +219,12 @@ def use_chunked_head(model) -> None:
     def forward(hidden):
         if head.scoring is None:
             return plain_forward(hidden)
-        targets, keep, temperature, kept = head.scoring
+        sources, targets, place, temperature, kept = head.scoring
         logp, entropy = ChunkedTokenLogprobs.apply(
-            hidden[keep], head.weight, targets[keep], temperature, CHUNK_TOKENS, kept
+            hidden.flatten(0, 1)[sources], head.weight, targets, temperature, CHUNK_TOKENS, kept
         )
-        scores = hidden.new_zeros((*keep.shape, 2), dtype=torch.float32)  # (B, T, 2): logp, entropy
-        return scores.index_put((keep,), torch.stack([logp, entropy], -1))
+        scores = hidden.new_zeros((*place.shape, 2), dtype=torch.float32)  # (B, T, 2): logp, entropy
+        return scores.index_put((place,), torch.stack([logp, entropy], -1))
 
     head.forward = forward
 
@@ -236,12 +236,23 @@ def token_scores(
     distribution, both float32 with gradients (B, T), 0 where `keep` is False; `kept` (served: one row per True
     of `keep`) renormalises both over each token's kept set. The model must have been through
     use_chunked_head; next_token_scores is the entry point."""
-    from lib.packing import sequence_bounds
+    keep = keep.bool()
+    sources = keep.flatten().nonzero().squeeze(1)  # (n,) each kept position scores from its own hidden state
+    return scored(
+        model, input_ids, position_ids, sources, targets[keep], place=keep, temperature=temperature, kept=kept
+    )
+
+
+def scored(model, input_ids, position_ids, sources, targets, place, temperature, kept, bounds=None):
+    """The forward behind token_scores: the hidden states at flat positions `sources` (n,) score `targets`
+    (n,), and the scores land where `place` (B, T) is True, in row-major order (B, T) each."""
+    from lib.attention import sequence_bounds
 
     head = model.get_output_embeddings()
     assert hasattr(head, "scoring"), "score tokens with a model that went through use_chunked_head"
-    head.scoring = (targets, keep.bool(), temperature, kept)  # read by the forward use_chunked_head installed
-    bounds = sequence_bounds(position_ids, *input_ids.shape)  # once for every layer (lib/packing.py)
+    # Read by the forward use_chunked_head installed; the bounds, once for every layer (lib/attention.py).
+    head.scoring = (sources, targets, place, temperature, kept)
+    bounds = bounds or sequence_bounds(position_ids, *input_ids.shape)
     try:
         scores = model(
             input_ids=input_ids, position_ids=position_ids, use_cache=False, packed_bounds=bounds
@@ -256,12 +267,26 @@ def next_token_scores(
 ):
     """The one convention for scoring tokens (SFT, RL and the sync probe): at position t of (B, T) rows,
     log p(input_ids[t] | tokens < t) at `temperature` and its distribution's entropy, float32, 0 at position
-    0 and wherever `mask` (B, T) is False; `mask` marks the tokens to train on (lib/packing.py). With `kept`
-    (served counts (B, T), at each sampled token's position) both are over each token's kept set, and a
-    token outside its recomputed set scores -inf."""
-    targets = F.pad(input_ids[:, 1:], (0, 1))  # position t's hidden state predicts token t + 1
-    keep = F.pad(mask[:, 1:].bool(), (0, 1))
-    if kept is not None:  # served: the sets of the scored tokens, in the order their hidden states are scored
-        kept = kept.select(F.pad(mask[:, 1:].bool(), (1, 0)))
-    logp, entropy = token_scores(model, input_ids, position_ids, targets, keep, temperature, kept)
-    return F.pad(logp[:, :-1], (1, 0)), F.pad(entropy[:, :-1], (1, 0))
+    0 and wherever `mask` (B, T) is False; `mask` marks the tokens to train on (lib/packing.py). A shared
+    prompt's branch (lib/packing.py shared_prompts) predicts its first token from the prompt's last. With
+    `kept` (served counts (B, T), at each sampled token's position) both are over each token's kept set,
+    and a token outside its recomputed set scores -inf."""
+    from lib.attention import previous_tokens, sequence_bounds
+
+    place = F.pad(mask[:, 1:].bool(), (1, 0))  # (B, T): position 0 has no token before it
+    bounds = sequence_bounds(position_ids, *input_ids.shape)
+    sources = previous_tokens(bounds, *input_ids.shape, input_ids.device)[place.flatten()]  # (n,)
+    if kept is not None:  # served: the sets of the scored tokens, in row-major order
+        kept = kept.select(place)
+    targets = input_ids[place]  # (n,)
+    return scored(
+        model,
+        input_ids,
+        position_ids,
+        sources,
+        targets,
+        place,
+        temperature=temperature,
+        kept=kept,
+        bounds=bounds,
+    )

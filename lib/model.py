@@ -234,7 +234,7 @@ def grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
     import torch.nn.functional as F
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from lib.packing import float32_attention
+    from lib.attention import float32_attention
 
     plain = kwargs.get("position_bias") is None and kwargs.get("softcap") is None and not dropout
     if plain and query.shape[2] == 1 and (attention_mask is None or attention_mask.shape[1] == 1):
@@ -287,8 +287,8 @@ def load_trainable(
     import torch
 
     from lib import dist
+    from lib.attention import use_packed_attention
     from lib.head import use_chunked_head
-    from lib.packing import use_packed_attention
 
     train_config = dataclasses.replace(
         model_config, dtype="float32" if model_config.dtype == "auto" else model_config.dtype

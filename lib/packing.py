@@ -1,7 +1,6 @@
-"""Packing: sequences into rows of seq_len (SFT rows and RL micro-batches alike), and attention within each sequence."""
+"""Packing: sequences into rows of seq_len (SFT rows and RL micro-batches alike, a group's prompt shared)."""
 
 import dataclasses
-import inspect
 from typing import TYPE_CHECKING
 
 from lib.config import UserError
@@ -49,12 +48,15 @@ def build_rows(layout: list[list[int]], columns: dict[str, tuple[list[list], obj
     Positions restart at 0 for each sequence, which is how transformers and packed_attention tell
     packed sequences apart (no attention_mask is passed). Padding continues the last position, so it
     reads as part of the row's last sequence: causal attention keeps real tokens from seeing it, and a
-    row of one sequence stays plain causal (no mask is built).
+    row of one sequence stays plain causal (no mask is built). A "position_ids" column gives the positions
+    instead (a shared prompt's branches, shared_prompts).
     """
     import torch
 
     lengths = {i: len(next(iter(columns.values()))[0][i]) for row in layout for i in row}
     width = max(sum(lengths[i] for i in row) for row in layout)
+    columns = dict(columns)
+    given = columns.pop("position_ids", None)  # a shared prompt's branches continue its positions
     tensors = {}
     for name, (per_sequence, padding, dtype) in columns.items():
         assert all(len(per_sequence[i]) == n for i, n in lengths.items()), f"column {name} differs in length"
@@ -65,7 +67,7 @@ def build_rows(layout: list[list[int]], columns: dict[str, tuple[list[list], obj
         tensors[name] = tensor
     position_ids = torch.arange(width).repeat(len(layout), 1)  # (R, T)
     for r, row in enumerate(layout):
-        positions = [t for i in row for t in range(lengths[i])]
+        positions = [t for i in row for t in (given[0][i] if given else range(lengths[i]))]
         position_ids[r, : len(positions)] = torch.tensor(positions)
         position_ids[r, len(positions) :] += positions[-1] + 1 - len(positions)
     tensors["position_ids"] = position_ids
@@ -110,8 +112,9 @@ class MicroBatch:
     advantages: "torch.Tensor"
     """The rollout's advantage on each of its tokens (float32); 0 on padding."""
     rollout_index: "torch.Tensor"
-    """Which rollout of the step's list each token belongs to (long); -1 on padding. A rollout lies whole in one
-    row of one micro-batch, so sequence-level quantities (lib/loss.py) are complete in the micro-batch."""
+    """Which rollout of the step's list each token belongs to (long); -1 on padding; a shared prompt's, its first
+    rollout's. A rollout lies whole in one row of one micro-batch, so sequence-level quantities (lib/loss.py)
+    are complete in the micro-batch."""
     kept_counts: "torch.Tensor | None" = None
     """Served kept sets: how many kept ids each token has (int32), > 0 on the loss mask; None when the rollouts
     carry none (lib/head.py KeptSets)."""
@@ -128,6 +131,33 @@ class MicroBatch:
         return int(self.loss_mask.sum())
 
 
+def shared_prompts(rollouts: list["Rollout"], seq_len: int) -> list[tuple[list[int], int]]:
+    """Rollouts grouped into the units a row holds: (rollout indices, prompt length). Rollouts whose tokens
+    up to their first sampled one are the same (a group's prompt) make one unit as long as it fits seq_len:
+    the prompt once, then each rollout's remaining tokens as a branch that attends to it and to itself
+    (its positions continue the prompt's). Any other rollout is a unit of its own, prompt length 0."""
+    by_prompt: dict[tuple, list[int]] = {}
+    for i, r in enumerate(rollouts):
+        if True in r.loss_mask:
+            by_prompt.setdefault(tuple(r.token_ids[: r.loss_mask.index(True)]), []).append(i)
+    units, shared = [], set()
+    for prompt, members in by_prompt.items():
+        if len(members) < 2:
+            continue
+        shared.update(members)
+        unit, length = [], len(prompt)
+        for i in members:
+            branch = len(rollouts[i].token_ids) - len(prompt)
+            if unit and length + branch > seq_len:
+                units.append((unit, len(prompt)))
+                unit, length = [], len(prompt)
+            unit.append(i)
+            length += branch
+        units.append((unit, len(prompt)))
+    units += [([i], 0) for i in range(len(rollouts)) if i not in shared]
+    return sorted(units, key=lambda unit: unit[0][0])  # in the rollouts' order
+
+
 def rl_micro_batches(
     rollouts: list["Rollout"],
     seq_len: int,
@@ -135,9 +165,13 @@ def rl_micro_batches(
     pad_token_id: int = 0,
     num_micro_batches_multiple: int = 1,
     packing: bool = True,
+    share_prompts: bool = False,
 ) -> list[MicroBatch]:
     """Rollouts in rows of at most seq_len tokens (one per row with packing off, then the model needs no
-    packed attention), rows_per_micro_batch rows to a micro-batch, each padded to its longest row.
+    packed attention), rows_per_micro_batch rows to a micro-batch, each padded to its longest row. With
+    share_prompts (packing on), a group's rollouts hold their common prompt once (shared_prompts): the
+    forward and backward skip the copies, and every token's logprob and gradient are those of the rollout
+    laid out whole (tests/test_packing.py).
 
     Empty micro-batches (one padding token, no loss) are appended until their number is a multiple of
     num_micro_batches_multiple, so every rank runs the same number of forward/backward passes in lockstep.
@@ -150,28 +184,49 @@ def rl_micro_batches(
         )
         # token_logp gives the first token of a packed rollout a value predicted from the previous one.
         assert not r.loss_mask[0], "a rollout cannot start with a sampled token (it has no context)"
-    layout = row_layout([len(r.token_ids) for r in rollouts], seq_len, packing)
+    assert packing or not share_prompts, "shared prompts need packed rows"
+    units = shared_prompts(rollouts, seq_len) if share_prompts else [([i], 0) for i in range(len(rollouts))]
+
+    def column(values_of, prompt_value=None):
+        """Per unit: the prompt's values once (the first member's, or prompt_value), then each member's rest."""
+        per_unit = []
+        for members, prompt in units:
+            first = values_of(members[0])
+            head = first[:prompt] if prompt_value is None else [prompt_value] * prompt
+            per_unit.append(list(head) + [v for i in members for v in list(values_of(i))[prompt:]])
+        return per_unit
+
     columns = {
-        "input_ids": ([r.token_ids for r in rollouts], pad_token_id, torch.long),
-        "loss_mask": ([r.loss_mask for r in rollouts], False, torch.bool),
+        "input_ids": (column(lambda i: rollouts[i].token_ids), pad_token_id, torch.long),
+        "loss_mask": (column(lambda i: rollouts[i].loss_mask), False, torch.bool),
         "inference_logp": (
-            [[lp if m else 0.0 for lp, m in zip(r.inference_logp, r.loss_mask)] for r in rollouts],
+            column(
+                lambda i: [
+                    lp if m else 0.0 for lp, m in zip(rollouts[i].inference_logp, rollouts[i].loss_mask)
+                ]
+            ),
             0.0,
             torch.float32,
         ),
-        "advantages": ([[r.advantage] * len(r.token_ids) for r in rollouts], 0.0, torch.float32),
-        "rollout_index": ([[i] * len(r.token_ids) for i, r in enumerate(rollouts)], -1, torch.long),
+        "advantages": (
+            column(lambda i: [rollouts[i].advantage] * len(rollouts[i].token_ids)),
+            0.0,
+            torch.float32,
+        ),
+        "rollout_index": (column(lambda i: [i] * len(rollouts[i].token_ids)), -1, torch.long),
+        "position_ids": (column(lambda i: range(len(rollouts[i].token_ids))), 0, torch.long),
     }
     served = [r.kept_counts is not None for r in rollouts]
     assert all(served) or not any(served), "some rollouts carry served kept sets and others none"
     if rollouts and all(served):
-        columns["kept_counts"] = ([r.kept_counts.tolist() for r in rollouts], 0, torch.int32)
+        columns["kept_counts"] = (column(lambda i: rollouts[i].kept_counts.tolist(), 0), 0, torch.int32)
+    layout = row_layout([len(ids) for ids in columns["input_ids"][0]], seq_len, packing)
     micro_batches = []
     for first in range(0, len(layout), rows_per_micro_batch):
         rows = layout[first : first + rows_per_micro_batch]
         micro_batch = MicroBatch(**build_rows(rows, columns))
         if "kept_counts" in columns:  # the ids in the order of the tokens they belong to
-            ids = [torch.from_numpy(rollouts[i].kept_ids) for row in rows for i in row]
+            ids = [torch.from_numpy(rollouts[i].kept_ids) for row in rows for u in row for i in units[u][0]]
             micro_batch.kept_ids = torch.cat(ids)
         micro_batches.append(micro_batch)
     while len(micro_batches) % num_micro_batches_multiple:
@@ -187,158 +242,3 @@ def rl_micro_batches(
             )
         )
     return micro_batches
-
-
-# ---------------------------------------------------------------- attention over packed rows
-
-
-def sequence_bounds(position_ids, rows: int, length: int) -> dict:
-    """Where the samples of each packed row start, from the restarts of position_ids (B or 1, L): per-row
-    start lists, the samples' int32 offsets in the flattened (B * L) batch and the longest sample. Finding
-    them costs a host sync: a forward computes them once and passes them to every layer (packed_attention's
-    `sequence_bounds`)."""
-    import torch
-
-    restarts = torch.diff(position_ids.expand(rows, -1), dim=-1) != 1  # (B, L-1)
-    starts = [[0] for _ in range(rows)]
-    for row, t in restarts.nonzero().tolist():
-        starts[row].append(t + 1)
-    flat = [row * length + s for row, row_starts in enumerate(starts) for s in row_starts] + [rows * length]
-    bounds = {
-        "starts": starts,
-        "cu_seqlens": torch.tensor(flat, dtype=torch.int32, device=position_ids.device),  # (samples + 1,)
-        "max_seqlen": max(e - s for s, e in zip(flat, flat[1:])),
-    }
-    return bounds
-
-
-# A bf16 sample up to this long attends through float32 matmuls on a CPU, where SDPA's causal kernel took ~1.5x
-# longer over a forward and backward of 100-token samples (float32_attention).
-SHORT_SAMPLE = 128
-VARLEN_DEVICES = ("cuda",)  # devices with a variable-length attention kernel (torch's has no CPU backend)
-
-
-def varlen_kernel():
-    """(name, function) of flash-attn's variable-length kernel when installed, else torch's."""
-    import importlib.util
-
-    if importlib.util.find_spec("flash_attn"):
-        from flash_attn import flash_attn_varlen_func
-
-        return "flash_attn", flash_attn_varlen_func
-    from torch.nn.attention import varlen  # torch >= 2.10 (the lock pins 2.13)
-
-    return "torch", varlen.varlen_attn
-
-
-def packed_attention(
-    module,
-    query,
-    key,
-    value,
-    attention_mask,
-    dropout=0.0,
-    scaling=None,
-    position_ids=None,
-    packed_bounds=None,
-    **kwargs,
-):
-    """Causal attention inside each sample of a packed row, as a transformers attention function.
-
-    SDPA with transformers' block-diagonal mask computes every row_length^2 score and masks most of
-    them. On CUDA a variable-length kernel (flash-attn's, or torch's) attends within each sample of the
-    flattened batch in one call; elsewhere one causal SDPA call per sample costs the sum of the
-    samples' length^2. Samples start where position ids restart (the convention of build_rows);
-    `packed_bounds`, a keyword of the model's forward that reaches every layer, saves finding them again.
-    """
-    import torch
-
-    assert attention_mask is None and dropout == 0.0, "packed attention takes neither a mask nor dropout"
-    rows, heads, length, dim = query.shape  # query (B, H, L, D); key, value (B, KV heads, L, D)
-    if position_ids is None:
-        position_ids = torch.arange(length, device=query.device)[None]  # (1, L): one sample per row
-    # The forward's caller passes the boundaries once for every layer (lib/head.py); else each layer finds them.
-    bounds = packed_bounds or sequence_bounds(position_ids, rows, length)
-    device = query.device.type
-    if torch.is_autocast_enabled(device):
-        # Autocast casts matmul inputs, not attention's: Qwen3's q/k norms and RoPE leave q and k in float32
-        # (the master weights' dtype) while v comes out of a projection in bf16.
-        dtype = torch.get_autocast_dtype(device)
-        query, key, value = (x.to(dtype) for x in (query, key, value))
-    # The flash kernels take half precision only (bf16 under autocast); fp32 on CUDA takes the SDPA loop.
-    half = query.dtype in (torch.float16, torch.bfloat16)
-    kernel = varlen_kernel() if device in VARLEN_DEVICES and half else None
-    if kernel is not None:
-        # Flattened (B * L, heads, D): a sample never spans two rows, so the row ends are sample ends too.
-        q, k, v = (x.transpose(1, 2).reshape(rows * length, x.shape[1], dim) for x in (query, key, value))
-        cu, longest = bounds["cu_seqlens"], bounds["max_seqlen"]
-        name, attend = kernel
-        if name == "flash_attn":
-            out = attend(q, k, v, cu, cu, longest, longest, softmax_scale=scaling, causal=True)
-        else:  # window (-1, 0): causal
-            gqa = {"enable_gqa": True}
-            if "enable_gqa" not in inspect.signature(attend).parameters:
-                # torch < 2.13 (2.11 on some GPU machines) has no GQA here: repeat the key/value heads.
-                k, v = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (k, v))
-                gqa = {}
-            out = attend(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(-1, 0), **gqa)
-        return out.reshape(rows, length, heads, dim), None  # (B, L, H, D)
-    out = []
-    for row, row_starts in enumerate(bounds["starts"]):
-        edges = [*row_starts, length]
-        pieces = [
-            sample_attention(
-                query[row : row + 1, :, s:e],
-                key[row : row + 1, :, s:e],
-                value[row : row + 1, :, s:e],
-                scaling,
-            )
-            for s, e in zip(edges, edges[1:])
-        ]
-        out.append(torch.cat(pieces, dim=2))  # (1, H, L, D)
-    return torch.cat(out).transpose(1, 2).contiguous(), None  # (B, L, H, D)
-
-
-def use_packed_attention(model) -> None:
-    """Switches a transformers model from sdpa to packed_attention (the saved config is unaffected)."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register("plainrl_packed", packed_attention)
-    model.set_attn_implementation("plainrl_packed")
-
-
-def sample_attention(query, key, value, scaling):
-    """Causal attention within one sample: (1, heads, L, D) and (1, kv heads, L, D) -> (1, heads, L, D)."""
-    import torch
-    import torch.nn.functional as F
-
-    length = query.shape[2]
-    if query.device.type == "cpu" and query.dtype == torch.bfloat16 and length <= SHORT_SAMPLE:
-        causal = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
-        return float32_attention(query, key, value, causal[None, None], scaling)
-    return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
-
-
-def float32_attention(query, key, value, mask=None, scaling=None):
-    """Attention as two matmuls in float32, each key/value head's query heads taken together (no copies of
-    the grouped heads): query (B, heads, Q, D), key and value (B, kv heads, T, D), mask None or (B or 1, 1, Q,
-    T), bool (True attends) or additive -> (B, heads, Q, D) in query's dtype. On a CPU, SDPA's kernel took
-    4-5x longer for a decode step (64 rows of SmolLM2, bf16) and ~1.5x for a short sample's causal forward and
-    backward; float32 scores keep it as close to a float64 reference as SDPA (tests/test_engine.py)."""
-    import torch
-
-    batch, heads, length, dim = query.shape
-    groups, keys = key.shape[1], key.shape[2]
-    per_group = heads // groups
-    with torch.autocast(query.device.type, enabled=False):  # float32 even inside a bf16 autocast region
-        grouped = query.float().reshape(batch, groups, per_group * length, dim)  # rows: (head, query)
-        scale = dim**-0.5 if scaling is None else scaling
-        scores = (grouped @ key.float().transpose(-1, -2) * scale).view(
-            batch, groups, per_group, length, keys
-        )
-        if mask is not None:
-            mask = mask[..., :keys].unsqueeze(1)  # (B or 1, 1, 1, Q, T)
-            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-        weights = scores.softmax(dim=-1).view(batch, groups, per_group * length, keys)
-        out = weights @ value.float()  # (B, kv, heads per kv x Q, D)
-    return out.view(batch, heads, length, dim).to(query.dtype)

@@ -97,6 +97,11 @@ class Config:
     packing: bool = True
     """Pack several rollouts per row of seq_len; off = one padded row per rollout, which is faster for
     short rollouts of similar length on CPU (one attention call per micro-batch, not one per rollout)."""
+    share_prompts: Literal["auto", "on", "off"] = "auto"
+    """Hold each group's prompt once in its packed row, its rollouts as branches attending to it and to
+    themselves (lib/packing.py shared_prompts): the same logprobs and gradients from fewer tokens. Needs
+    packing and sdpa. auto: on on a CPU; on CUDA rows with branches leave the variable-length kernel for
+    the per-sample loop, so it is on only when asked."""
     max_async_level: int = 1
     """Rollouts may come from a policy at most this many steps old (0 = fully on-policy)."""
     kept_set: Literal["auto", "served", "recomputed"] = "auto"
@@ -152,6 +157,10 @@ class Config:
             raise UserError("keep_weights must be >= 2, keep_checkpoints and checkpoint_every >= 1.")
         if self.peer_timeout <= 0:
             raise UserError("peer_timeout must be a positive number of seconds.")
+        if self.share_prompts == "on" and not (self.packing and self.model.attn_implementation == "sdpa"):
+            raise UserError(
+                "share_prompts on needs packing and model.attn_implementation sdpa (lib/packing.py)."
+            )
 
 
 def main(cfg: Config) -> dict:
@@ -225,6 +234,8 @@ def main(cfg: Config) -> dict:
         )
         reference.requires_grad_(False)
         reference.eval()
+    shared = cfg.packing and cfg.model.attn_implementation == "sdpa" and device.startswith("cpu")
+    share_prompts = cfg.share_prompts == "on" or (cfg.share_prompts == "auto" and shared)
     # Inference logprobs are of the tempered distribution, the one sampled from.
     temperature = cfg.sampling.temperature
     # Over each sampled token's kept set when top-k/top-p filter it (lib/head.py KeptSets): top_p alone gets
@@ -440,6 +451,7 @@ def main(cfg: Config) -> dict:
                     pad_token_id=tokenizer.pad_token_id,
                     num_micro_batches_multiple=world_size,
                     packing=cfg.packing,
+                    share_prompts=share_prompts,
                 )
                 # What the loss may normalise by, counted over the whole step, the same on every rank. Dr.
                 # GRPO's budget: max_tokens is per turn, so a multi-turn rollout may hold more than its share.

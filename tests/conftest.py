@@ -62,6 +62,7 @@ def cached_sft(name: str, tiny_dir: Path, made_by: list[str], args: list[str], s
         "lib/tiny.py",
         "lib/data.py",
         "lib/packing.py",
+        "lib/attention.py",
         "lib/model.py",
         "lib/optim.py",
         "scripts/sft.py",
@@ -264,3 +265,20 @@ def tensorboard_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
     events = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
     events.Reload()
     return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+
+
+def recorded_layouts(monkeypatch) -> list[tuple[bool, int, int]]:
+    """Records each lib.packing.rl_micro_batches call of rl.py: (share_prompts, tokens in its rows, the
+    rollouts' tokens)."""
+    import lib.packing
+
+    layouts, layout = [], lib.packing.rl_micro_batches
+
+    def recording(rollouts, *args, **kwargs):
+        micro_batches = layout(rollouts, *args, **kwargs)
+        in_rows = sum(int((mb.rollout_index >= 0).sum()) for mb in micro_batches)
+        layouts.append((kwargs["share_prompts"], in_rows, sum(len(r.token_ids) for r in rollouts)))
+        return micro_batches
+
+    monkeypatch.setattr(lib.packing, "rl_micro_batches", recording)
+    return layouts

@@ -133,8 +133,8 @@ def test_a_decode_steps_attention_is_as_close_to_float64_as_sdpas(dtype):
     # this shape. Its error against a float64 reference must be no larger than SDPA's own.
     import torch.nn.functional as F
 
+    from lib.attention import float32_attention
     from lib.model import grouped_sdpa
-    from lib.packing import float32_attention
 
     generator = torch.Generator().manual_seed(0)
     rows, heads, groups, length, dim = 8, 9, 3, 40, 64

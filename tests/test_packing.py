@@ -1,16 +1,19 @@
-"""Packing: first-fit rows, SFT rows and RL micro-batches from one row builder, attention within each sequence."""
+"""Packing: first-fit rows, SFT rows and RL micro-batches from one row builder, shared prompts, packed attention."""
 
 import random
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from test_data import reverse_conversation
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from lib.attention import sequence_bounds, use_packed_attention
 from lib.data import tokenize_all
+from lib.head import KeptSets
 from lib.loss import token_logp
-from lib.packing import first_fit, rl_micro_batches, sequence_bounds, sft_rows, use_packed_attention
+from lib.packing import first_fit, rl_micro_batches, sft_rows
 from lib.rollouts import Rollout
 
 TEXTS = ["hello world", "a", "plain pytorch scripts", "ok then", "reverse me please!", "xyz", "the end"]
@@ -202,7 +205,7 @@ def test_under_bf16_autocast_packed_rows_take_the_varlen_kernel_which_equals_the
     """The trainer's float32 weights under bf16 autocast: Qwen3's q and k leave its norms and RoPE in float32,
     v in bf16; all three must reach the kernel in bf16, or packed attention falls back to the SDPA loop.
     torch's kernel has no CPU backend: CPU stands in for CUDA, with the reference kernel above."""
-    from lib import packing
+    from lib import attention
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
     assert model.config.model_type == "qwen3"
@@ -215,14 +218,14 @@ def test_under_bf16_autocast_packed_rows_take_the_varlen_kernel_which_equals_the
         seen.append((q.dtype, k.dtype, v.dtype))
         return reference_varlen(q, k, v, *args, **kwargs)
 
-    monkeypatch.setattr(packing, "varlen_kernel", lambda: ("torch", recording_varlen))
+    monkeypatch.setattr(attention, "varlen_kernel", lambda: ("torch", recording_varlen))
 
     def logits(varlen_devices):
-        monkeypatch.setattr(packing, "VARLEN_DEVICES", varlen_devices)
+        monkeypatch.setattr(attention, "VARLEN_DEVICES", varlen_devices)
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits.float()
 
-    monkeypatch.setattr(packing, "SHORT_SAMPLE", 0)  # every sample through SDPA, as the kernel's reference
+    monkeypatch.setattr(attention, "SHORT_SAMPLE", 0)  # every sample through SDPA, as the kernel's reference
     looped = logits(("cuda",))
     assert not seen  # on CPU: the SDPA loop
     kernel = logits(("cuda", "cpu"))
@@ -237,7 +240,7 @@ def test_under_bf16_autocast_packed_rows_take_the_varlen_kernel_which_equals_the
 def test_the_varlen_kernel_without_gqa_gets_repeated_key_value_heads(monkeypatch):
     # torch 2.11's varlen_attn has no enable_gqa: packed_attention repeats the key/value heads for it and
     # must give what the per-sample SDPA loop gives (run here on CPU in bf16, as under autocast on CUDA).
-    import lib.packing
+    import lib.attention
 
     def varlen_without_gqa(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
         assert q.shape[1] == k.shape[1] == v.shape[1] and window_size == (-1, 0), "heads must match"
@@ -255,10 +258,10 @@ def test_the_varlen_kernel_without_gqa_gets_repeated_key_value_heads(monkeypatch
     query = torch.randn(rows, heads, length, dim, dtype=torch.bfloat16)
     key, value = (torch.randn(rows, kv_heads, length, dim, dtype=torch.bfloat16) for _ in range(2))
     position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1], [0, 1, 2, 3, 4, 0, 1, 2, 3]])
-    looped, _ = lib.packing.packed_attention(None, query, key, value, None, position_ids=position_ids)
-    monkeypatch.setattr(lib.packing, "VARLEN_DEVICES", ("cpu",))
-    monkeypatch.setattr(lib.packing, "varlen_kernel", lambda: ("torch", varlen_without_gqa))
-    kernel, _ = lib.packing.packed_attention(None, query, key, value, None, position_ids=position_ids)
+    looped, _ = lib.attention.packed_attention(None, query, key, value, None, position_ids=position_ids)
+    monkeypatch.setattr(lib.attention, "VARLEN_DEVICES", ("cpu",))
+    monkeypatch.setattr(lib.attention, "varlen_kernel", lambda: ("torch", varlen_without_gqa))
+    kernel, _ = lib.attention.packed_attention(None, query, key, value, None, position_ids=position_ids)
     torch.testing.assert_close(kernel, looped, rtol=2e-2, atol=2e-2)
 
 
@@ -266,13 +269,13 @@ def test_on_a_cpu_short_bf16_samples_attend_in_float32_as_close_to_float64_as_sd
     # SDPA's causal CPU kernel took ~1.5x longer than two float32 matmuls over a forward and backward of
     # 100-token samples: samples up to SHORT_SAMPLE take float32_attention, longer ones SDPA. Outputs and
     # gradients must be as close to a float64 reference as the SDPA loop's.
-    import lib.packing
+    import lib.attention
 
-    monkeypatch.setattr(lib.packing, "SHORT_SAMPLE", 64)
+    monkeypatch.setattr(lib.attention, "SHORT_SAMPLE", 64)
     calls = []
-    float32_attention = lib.packing.float32_attention
+    float32_attention = lib.attention.float32_attention
     monkeypatch.setattr(
-        lib.packing,
+        lib.attention,
         "float32_attention",
         lambda q, *rest: calls.append(q.shape[2]) or float32_attention(q, *rest),
     )
@@ -285,9 +288,9 @@ def test_on_a_cpu_short_bf16_samples_attend_in_float32_as_close_to_float64_as_sd
     upstream = torch.randn(1, sum(lengths), heads, dim, generator=generator)
 
     def attend(dtype, short):
-        monkeypatch.setattr(lib.packing, "SHORT_SAMPLE", short)
+        monkeypatch.setattr(lib.attention, "SHORT_SAMPLE", short)
         inputs = [x.to(dtype).requires_grad_() for x in tensors]
-        out, _ = lib.packing.packed_attention(None, *inputs, None, position_ids=position_ids)
+        out, _ = lib.attention.packed_attention(None, *inputs, None, position_ids=position_ids)
         (out.double() * upstream).sum().backward()
         return [out.double()] + [x.grad.double() for x in inputs]
 
@@ -302,3 +305,116 @@ def test_on_a_cpu_short_bf16_samples_attend_in_float32_as_close_to_float64_as_sd
             (got - exact).norm(),
             (reference - exact).norm(),
         )
+
+
+def grouped_rollouts(seed: int, vocabulary: int = 200) -> list[Rollout]:
+    """Groups of rollouts sharing a prompt (one of two turns with an env turn between), and one alone."""
+    rng = random.Random(seed)
+    rollouts = []
+    for group_size in (4, 3, 1):
+        prompt = [rng.randrange(3, vocabulary) for _ in range(rng.randint(5, 12))]
+        advantage = rng.uniform(-1, 1)
+        for _ in range(group_size):
+            ids, mask = list(prompt), [False] * len(prompt)
+            for turn in range(rng.randint(1, 2)):
+                if turn:
+                    ids += [rng.randrange(3, vocabulary) for _ in range(3)]
+                    mask += [False] * 3
+                completion = [rng.randrange(3, vocabulary) for _ in range(rng.randint(1, 9))]
+                ids += completion
+                mask += [True] * len(completion)
+            logp = [-rng.random() if m else 0.0 for m in mask]
+            rollouts.append(Rollout(ids, mask, logp, reward=0.0, policy_version=0, advantage=advantage))
+            advantage += 0.25
+    return rollouts
+
+
+def test_shared_prompts_hold_each_groups_prompt_once_and_split_a_group_that_outgrows_a_row():
+    from lib.packing import shared_prompts
+
+    rollouts = grouped_rollouts(0)
+    lengths = [len(r.token_ids) for r in rollouts]
+    prompts = [r.loss_mask.index(True) for r in rollouts]
+    assert shared_prompts(rollouts, seq_len=512) == [
+        ([0, 1, 2, 3], prompts[0]),
+        ([4, 5, 6], prompts[4]),
+        ([7], 0),
+    ]
+    # A row too short for the whole group: the prompt again for the members that do not fit.
+    seq_len = prompts[0] + sum(n - prompts[0] for n in lengths[:2])
+    units = shared_prompts(rollouts[:4], seq_len)
+    assert units == [([0, 1], prompts[0]), ([2, 3], prompts[0])], units
+
+    for i, r in enumerate(
+        rollouts
+    ):  # served kept sets: token t of rollout i keeps ids 1000 i + t and one more
+        r.kept_counts = np.array([2 if m else 0 for m in r.loss_mask], dtype=np.int32)
+        r.kept_ids = np.array(
+            [1000 * i + t + k for t, m in enumerate(r.loss_mask) if m for k in (0, 1)], np.int32
+        )
+    micro_batches = rl_micro_batches(rollouts, 512, rows_per_micro_batch=4, share_prompts=True)
+    (mb,) = micro_batches
+    kept = KeptSets(ids=mb.kept_ids, counts=mb.kept_counts).select(mb.loss_mask)  # as lib/head.py reads them
+    tokens = mb.loss_mask.nonzero().tolist()  # row-major, the order the head scores them in
+    first_ids = [1000 * int(mb.rollout_index[r, t]) + int(mb.position_ids[r, t]) for r, t in tokens]
+    assert kept.counts.tolist() == [2] * len(tokens) and kept.ids[::2].tolist() == first_ids
+    assert (mb.input_ids != 0).sum() == sum(lengths) - sum(prompts[1:4]) - sum(prompts[5:7])
+    assert mb.num_loss_tokens() == sum(sum(r.loss_mask) for r in rollouts)
+    for i, r in enumerate(rollouts):  # every rollout's tokens, its prompt's included, at its own positions
+        (row,) = {int(row) for row in (mb.rollout_index == i).nonzero()[:, 0]}
+        sampled = mb.loss_mask[row] & (mb.rollout_index[row] == i)
+        positions = mb.position_ids[row][sampled].tolist()
+        assert positions == [t for t, m in enumerate(r.loss_mask) if m]
+        assert mb.input_ids[row][sampled].tolist() == [t for t, m in zip(r.token_ids, r.loss_mask) if m]
+        assert mb.inference_logp[row][sampled].tolist() == pytest.approx(
+            [lp for lp in r.inference_logp if lp]
+        )
+        assert mb.advantages[row][sampled].tolist() == pytest.approx([r.advantage] * sum(r.loss_mask))
+
+
+@pytest.mark.parametrize("compute", ["float32", "bf16", "bf16-sdpa"])
+def test_shared_prompts_give_every_token_the_logprob_and_gradient_of_the_whole_rollout(
+    tiny_dir, compute, monkeypatch
+):
+    """The shared layout's forward and backward against each rollout laid out whole (both packed): every
+    sampled token's logprob and entropy, and the weights' gradient of an advantage-weighted loss. bf16 runs
+    short samples through float32_attention (with the branch mask), bf16-sdpa through SDPA's masked kernel."""
+    from lib import attention
+    from lib.head import next_token_scores, use_chunked_head
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped heads under a mask
+    use_packed_attention(model)
+    use_chunked_head(model)
+    if compute == "bf16-sdpa":
+        monkeypatch.setattr(attention, "SHORT_SAMPLE", 0)
+    rollouts = grouped_rollouts(1, model.config.vocab_size)
+
+    def scores_and_gradient(share):
+        model.zero_grad()
+        scores, tokens = {}, 0
+        for mb in rl_micro_batches(rollouts, 128, rows_per_micro_batch=2, share_prompts=share):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute != "float32"):
+                logp, entropy = next_token_scores(model, mb.input_ids, mb.position_ids, mb.loss_mask)
+            (logp * mb.advantages * mb.loss_mask).sum().backward()
+            tokens += int((mb.rollout_index >= 0).sum())
+            for row, t in mb.loss_mask.nonzero().tolist():
+                key = (int(mb.rollout_index[row, t]), int(mb.position_ids[row, t]))
+                scores[key] = (logp[row, t].item(), entropy[row, t].item())
+        gradient = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        return scores, gradient, tokens
+
+    whole, whole_gradient, whole_tokens = scores_and_gradient(False)
+    shared, shared_gradient, shared_tokens = scores_and_gradient(True)
+    assert shared_tokens < whole_tokens and sorted(shared) == sorted(whole)
+    assert len(whole) == sum(sum(r.loss_mask) for r in rollouts)
+    # bf16: logprobs within 2e-3 measured; leaving out the branch mask or the branches' first-token fix
+    # moved them by 0.1-0.24.
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if compute == "float32" else {"rtol": 0, "atol": 0.01}
+    torch.testing.assert_close(
+        torch.tensor([shared[k] for k in sorted(whole)]),
+        torch.tensor([whole[k] for k in sorted(whole)]),
+        **tolerance,
+    )
+    relative = (shared_gradient - whole_gradient).norm() / whole_gradient.norm()
+    assert relative < (1e-5 if compute == "float32" else 1e-2), relative  # bf16: 2.8e-3 measured

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 import torch
-from conftest import ROOT, load_script, tensorboard_scalars, wandb_history
+from conftest import ROOT, load_script, recorded_layouts, tensorboard_scalars, wandb_history
 
 from lib import inference, probing
 from lib.config import UserError, parse
@@ -188,6 +188,28 @@ def test_lora_dropout_is_refused_for_training():
     with pytest.raises(ValueError, match="lora.dropout = 0"):
         rl.Config(lora=LoraConfig(rank=8, dropout=0.5))
     rl.Config(lora=LoraConfig(rank=8))
+
+
+def test_shared_prompts_need_packed_sdpa_rows():
+    from lib.model import ModelConfig
+
+    with pytest.raises(ValueError, match="share_prompts on needs packing"):
+        rl.Config(share_prompts="on", packing=False)
+    with pytest.raises(ValueError, match="share_prompts on needs packing"):
+        rl.Config(share_prompts="on", model=ModelConfig(attn_implementation="eager"))
+    rl.Config(share_prompts="on")
+
+
+def test_shared_prompts_train_on_policy_with_a_ratio_of_one(tiny_dir, server, tmp_path, monkeypatch):
+    # Packed rows on a CPU share each group's prompt (share_prompts auto): fewer tokens in the rows, and
+    # every sampled token still scored as the server sampled it.
+    built = recorded_layouts(monkeypatch)
+    result = rl.main(rl_config(tiny_dir, tmp_path / "run", server.url, "--max-async-level", "0", "--packing"))
+    assert built and all(shared and in_rows < whole for shared, in_rows, whole in built), built
+    trained = [m for m in result["history"] if learned(m)]
+    assert trained, "no step had a learning signal"
+    for metrics in trained:
+        assert abs(metrics["train/importance_ratio"] - 1.0) < 1e-3, metrics
 
 
 def test_lora_training_scores_on_policy_tokens_with_the_servers_weights(tiny_dir, server, tmp_path):

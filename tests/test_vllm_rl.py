@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 import torch
-from conftest import ROOT, load_script
+from conftest import ROOT, load_script, recorded_layouts
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lib import inference
@@ -94,6 +94,16 @@ def test_an_attached_vllm_server_gets_the_runs_starting_weights(
     metrics = result["history"][0]
     assert abs(metrics["train/importance_ratio"] - 1.0) < 1e-3, metrics
     assert metrics["sync/probe_logprob_difference"] < 1e-4
+
+
+def test_shared_prompts_train_vllm_rollouts_on_policy(vllm_server, trained_tiny, tmp_path, monkeypatch):
+    # Packed rows on a CPU share each group's prompt (share_prompts auto) of the rollouts vLLM sampled.
+    layouts = recorded_layouts(monkeypatch)
+    args = run_args(trained_tiny, tmp_path / "run", "--inference.urls", vllm_server.url, "--steps", "1")
+    result = rl.main(parse(rl.Config, [*args, "--packing"]))
+    assert layouts and all(shared and in_rows < whole for shared, in_rows, whole in layouts), layouts
+    metrics = result["history"][0]
+    assert abs(metrics["train/importance_ratio"] - 1.0) < 1e-3, metrics
 
 
 def test_eval_against_vllm_with_the_seed_recipes_flags(vllm_server, tmp_path):
