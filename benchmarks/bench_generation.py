@@ -4,7 +4,7 @@ roofline measured on this machine in the same run (a benchmark, not a test).
 For each engine (the builtin one, "torch", and vLLM's CPU build) and dtype (float32, bfloat16): one server of
 --model (scripts/serve.py --model.dtype DTYPE, OMP_NUM_THREADS = --threads), --concurrency requests at once
 to /inference/v1/generate, each sampling --max-tokens new tokens at temperature 1 with ignore_eos, from the
-same chat prompts; tokens/s = concurrency x max_tokens / wall time, best of --repeats rounds after a short
+same chat prompts (--group N: each prompt N times, as an RL group's rollouts share theirs); tokens/s = concurrency x max_tokens / wall time, best of --repeats rounds after a short
 warm-up round. Servers run one at a time; the dtype each served in is recorded from its own answer where
 it gives one (its weight fingerprint), else the one asked for.
 
@@ -155,6 +155,12 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(BYTES))
     parser.add_argument("--concurrency", nargs="+", type=int, default=[64])
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument(
+        "--group",
+        type=int,
+        default=1,
+        help="requests a prompt (an RL group's rollouts share it: 8 in the presets)",
+    )
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument(
         "--threads", type=int, default=2, help="the server's threads (and the peak's multiple)"
@@ -178,7 +184,7 @@ def main() -> None:
     biggest = max(args.concurrency)
     prompts = [
         tokenizer.apply_chat_template(
-            [{"role": "user", "content": f"Tell me a short story about the number {i}."}],
+            [{"role": "user", "content": f"Tell me a short story about the number {i // args.group}."}],
             add_generation_prompt=True,
             tokenize=True,
             return_dict=False,
@@ -263,8 +269,8 @@ def main() -> None:
                     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     figures = {"model": args.model, "parameters": parameters, "threads": args.threads, "read_gbs": gbs}
-    figures |= {"prompt_tokens": prompt_length, "max_tokens": args.max_tokens, "rows": results}
-    args.out.write_text(json.dumps(figures, indent=1))
+    figures |= {"prompt_tokens": prompt_length, "max_tokens": args.max_tokens, "group": args.group}
+    args.out.write_text(json.dumps(figures | {"rows": results}, indent=1))
     print(f"figures: {args.out}")
 
 

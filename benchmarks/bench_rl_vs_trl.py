@@ -19,6 +19,10 @@ groups (all rewards equal, zero advantages) included; plainrl drops flat groups 
 difflib reward is continuous, so flat groups are rare on a warmed model: plainrl's mean count per step
 is printed (flat_groups) so the difference in work is visible.
 
+Rewards: each side's mean over the last 10 steps, per seed and over the seeds (mean +- standard error of the
+seed means), and plainrl's minus TRL's paired by seed and step (both sides sample the same prompts at the
+same step, so their difficulty cancels; the standard error is over every paired step, not 3 seed means).
+
 Usage:
     python benchmarks/bench_rl_vs_trl.py --model outputs/tiny/sft/weights/step_2000
     python benchmarks/bench_rl_vs_trl.py --model M --trl-python /tmp/trlvenv/bin/python --steps 20
@@ -174,6 +178,7 @@ def run_plainrl(args, out: Path) -> dict:
         flat_groups=timed_mean("rollouts/flat_groups"),
         reward_mean=round(statistics.fmean(rewards), 4),
         reward_last10=round(statistics.fmean(rewards[-10:]), 4),
+        rewards=[round(reward, 4) for reward in rewards],
     )
 
 
@@ -256,6 +261,14 @@ def main() -> None:
         spread = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else float("nan")
         return f"{statistics.fmean(values):.3f} +- {spread:.3f}"
 
+    # Both sides draw the same prompts at the same step: paired by seed and step, the prompts' difficulty
+    # cancels, and the standard error comes from every step rather than from 3 seed means.
+    differences = [
+        plainrl_reward - trl_reward
+        for trl, plainrl in runs
+        for trl_reward, plainrl_reward in zip(trl["rewards"][-10:], plainrl["rewards"][-10:])
+    ]
+
     print(
         json.dumps(
             {
@@ -264,6 +277,7 @@ def main() -> None:
                 "plainrl_speedup": [round(x, 2) for x in speedups],
                 "plainrl_speedup_median": [round(x, 2) for x in medians],
                 "reward_last10": {side: mean_se(values) for side, values in last10.items()},
+                "reward_last10_plainrl_minus_trl_paired": mean_se(differences),
                 "target": 1.5,
             }
         )

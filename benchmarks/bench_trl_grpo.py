@@ -177,6 +177,7 @@ def main():
         "wall_seconds": round(wall, 2),
         "reward_mean": round(sum(rewards) / len(rewards), 4) if rewards else None,
         "reward_last10": round(statistics.fmean(rewards[-10:]), 4) if rewards else None,
+        "rewards": [round(reward, 4) for reward in rewards],  # each step's mean, warm-up steps included
     }
     print(json.dumps(result))
 

@@ -92,24 +92,11 @@ def test_a_decode_step_returns_the_finished_rows_and_keeps_the_others(tiny_dir):
     assert finished[0][1].weight_versions == [("v1", 0, 2), ("v2", 2, 3)] and finished[0][1].text == "xxx"
 
 
-def test_decode_groups_the_key_value_heads_in_the_kernel_without_copying_them(tiny_dir, monkeypatch):
-    # transformers' sdpa copies the key/value heads of a grouped-query model up to the query heads whenever a
-    # mask is given (every batched decode step); on CPU that copy was 15% of the engine's time and the
-    # attention 3-4x slower than SDPA's own grouping. The answers stay the model's: the grouped decode's
-    # logprobs equal a full forward's.
-    from transformers.integrations import sdpa_attention
+def decoded(decoder, prompts: list[list[int]], max_tokens: int = 6) -> list:
+    """Each prompt decoded to max_tokens new tokens through `decoder`: [(sequence, completion)]."""
+    from lib.server.decode import Sequence
 
-    from lib.model import load_model
-    from lib.server.decode import Decoder, Sequence
-
-    copies = []
-    repeat_kv = sdpa_attention.repeat_kv
-    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda *args: copies.append(1) or repeat_kv(*args))
-    model = load_model(ModelConfig(name=str(tiny_dir), device="cpu", dtype="float32"))
-    assert model.config.num_key_value_heads < model.config.num_attention_heads
-    decoder = Decoder(model, pad_id=0, detokenize=lambda ids, skip: "", seed=0)
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
-    prompts = [[5, 6, 7, 8, 9], [10, 11]]  # unequal lengths: a left-padded batch, decoded under a mask
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     seqs = [Sequence(prompt, params, None, frozenset(), None, 0) for prompt in prompts]
     batch, done = None, []
     with torch.inference_mode():
@@ -118,12 +105,60 @@ def test_decode_groups_the_key_value_heads_in_the_kernel_without_copying_them(ti
         while batch is not None:
             batch, finished = decoder.step(batch, [], "v")
             done += finished
-        assert copies == []
-        for seq, completion in done:
-            ids = torch.tensor([seq.prompt_ids + completion.token_ids])
-            logp = model(ids).logits[0, :-1].float().log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
-            served = torch.tensor(completion.logprobs)
-            torch.testing.assert_close(served, logp[len(seq.prompt_ids) - 1 :], rtol=0, atol=1e-5)
+    return done
+
+
+def full_forward_logprobs(model, seq, completion) -> torch.Tensor:
+    """The completion's token logprobs from one forward of the whole sequence."""
+    ids = torch.tensor([seq.prompt_ids + completion.token_ids])
+    with torch.inference_mode():
+        logp = model(ids).logits[0, :-1].float().log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+    return logp[len(seq.prompt_ids) - 1 :]
+
+
+def test_decode_groups_the_key_value_heads_in_the_kernel_without_copying_them(tiny_dir, monkeypatch):
+    # transformers' sdpa copies the key/value heads of a grouped-query model up to the query heads whenever a
+    # mask is given (every batched decode step); on CPU that copy was 15% of the engine's time and the
+    # attention 3-4x slower than SDPA's own grouping. The answers stay the model's: the grouped decode's
+    # logprobs equal a full forward's.
+    from transformers.integrations import sdpa_attention
+
+    from lib.model import load_model
+    from lib.server.decode import Decoder
+
+    copies = []
+    repeat_kv = sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda *args: copies.append(1) or repeat_kv(*args))
+    model = load_model(ModelConfig(name=str(tiny_dir), device="cpu", dtype="float32"))
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    decoder = Decoder(model, pad_id=0, detokenize=lambda ids, skip: "", seed=0)
+    # Unequal lengths: a left-padded batch, decoded under a mask.
+    done = decoded(decoder, [[5, 6, 7, 8, 9], [10, 11]])
+    assert copies == [] and len(done) == 2
+    for seq, completion in done:
+        expected = full_forward_logprobs(model, seq, completion)
+        torch.testing.assert_close(torch.tensor(completion.logprobs), expected, rtol=0, atol=1e-5)
+
+
+def test_equal_prompts_are_prefilled_once_and_each_sequence_then_samples_its_own_tokens(tiny_dir):
+    # A group's rollouts arrive together with one prompt (8 a group in the presets): the prefill runs each
+    # distinct prompt once and copies its keys and values to every sequence that asked for it.
+    from lib.model import load_model
+    from lib.server.decode import Decoder
+
+    model = load_model(ModelConfig(name=str(tiny_dir), device="cpu", dtype="float32"))
+    shapes = []  # (rows, tokens) of each forward
+    model.get_input_embeddings().register_forward_hook(
+        lambda _m, inputs, _out: shapes.append(inputs[0].shape)
+    )
+    decoder = Decoder(model, pad_id=0, detokenize=lambda ids, skip: "", seed=0)
+    first, second = [5, 6, 7, 8, 9], [10, 11]
+    done = decoded(decoder, [first, second, first, first, second], max_tokens=8)
+    assert shapes[0] == (2, 5) and {rows for rows, _ in shapes[1:]} == {5}  # then every step extends all 5
+    assert len({tuple(c.token_ids) for seq, c in done if seq.prompt_ids == first}) > 1  # sampled apart
+    for seq, completion in done:
+        expected = full_forward_logprobs(model, seq, completion)
+        torch.testing.assert_close(torch.tensor(completion.logprobs), expected, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

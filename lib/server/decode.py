@@ -228,7 +228,14 @@ class Decoder:
         )
 
     def forward(self, histories: list[list[int]]) -> tuple[object, torch.Tensor, torch.Tensor]:
-        """Runs the model over token lists, left-padded: their KV cache, attention mask and last logits."""
+        """Runs the model over token lists, left-padded: their KV cache, attention mask and last logits. Equal
+        lists (a group's rollouts share their prompt) run once, and their rows are copied."""
+        rows = {ids: row for row, ids in enumerate(dict.fromkeys(map(tuple, histories)))}
+        if len(rows) < len(histories):
+            cache, mask, logits = self.forward([list(ids) for ids in rows])
+            index = torch.tensor([rows[tuple(ids)] for ids in histories], device=self.device)
+            layers = [(keys[index], values[index]) for keys, values, _ in cache]
+            return kv_cache(self.model.config, layers, self.cache_dtype), mask[index], logits[index]
         width = max(len(ids) for ids in histories)
         ids = torch.tensor([[self.pad_id] * (width - len(h)) + h for h in histories], device=self.device)
         mask = torch.tensor([[0] * (width - len(h)) + [1] * len(h) for h in histories], device=self.device)
