@@ -4,9 +4,10 @@ roofline measured on this machine in the same run (a benchmark, not a test).
 For each engine (the builtin one, "torch", and vLLM's CPU build) and dtype (float32, bfloat16): one server of
 --model (scripts/serve.py --model.dtype DTYPE, OMP_NUM_THREADS = --threads), --concurrency requests at once
 to /inference/v1/generate, each sampling --max-tokens new tokens at temperature 1 with ignore_eos, from the
-same chat prompts (--group N: each prompt N times, as an RL group's rollouts share theirs); tokens/s = concurrency x max_tokens / wall time, best of --repeats rounds after a short
-warm-up round. Servers run one at a time; the dtype each served in is recorded from its own answer where
-it gives one (its weight fingerprint), else the one asked for.
+same chat prompts (--group N: each prompt N times, as an RL group's rollouts share theirs); tokens/s =
+concurrency x max_tokens / wall time, best of --repeats rounds after a short warm-up round. Servers run one
+at a time; the dtype each served in is recorded from its own answer where it gives one (its weight
+fingerprint), else the one asked for.
 
 The roofline of a decode step that extends `c` sequences of context `t` by a token each:
 - bytes: every weight once (the tied output layer is the embedding, counted once) + the KV cache read,
