@@ -44,7 +44,7 @@ def write_model(shape: str, dtype: str, out: Path) -> Path:
 def measure(model: Path, engine: str, dtype: str, rounds: int) -> dict:
     import httpx
 
-    from lib import fingerprint, inference
+    from lib import endpoint, fingerprint, inference
 
     extra = ["--model.dtype", dtype, "--max-model-len", "512", "--vllm.cpu-kv-cache-gib", "1"]
     with inference.running_server(
@@ -61,7 +61,7 @@ def measure(model: Path, engine: str, dtype: str, rounds: int) -> dict:
             controller.append(time.perf_counter() - began)
             body = {"method": "weight_fingerprint", "kwargs": {"written": json.dumps(written)}}
             began = time.perf_counter()
-            answer = httpx.post(f"{inference.root_url(server.url)}/collective_rpc", json=body, timeout=600)
+            answer = httpx.post(f"{endpoint.root_url(server.url)}/collective_rpc", json=body, timeout=600)
             served_seconds.append(time.perf_counter() - began)
             assert answer.status_code == 200, answer.text[:500]
         served = answer.json()["results"][0]["weights"]

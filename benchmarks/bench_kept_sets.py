@@ -33,7 +33,7 @@ def sample(model: str, requests: int, max_tokens: int) -> list[tuple[list[int], 
     """(prompt ids, /inference/v1/generate choice) pairs from a builtin engine that returns kept sets."""
     import httpx
 
-    from lib import inference
+    from lib import endpoint, inference
     from lib.model import load_tokenizer
 
     tokenizer = load_tokenizer(model)
@@ -46,7 +46,7 @@ def sample(model: str, requests: int, max_tokens: int) -> list[tuple[list[int], 
     with inference.running_server(
         model, engine="torch", extra_args=extra, log_path=Path("/tmp/bench_kept_sets.log")
     ) as server:
-        root = inference.root_url(server.url)
+        root = endpoint.root_url(server.url)
         for seed, prompt in enumerate(prompts):
             params = {
                 "max_tokens": max_tokens,

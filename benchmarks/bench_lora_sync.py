@@ -5,7 +5,7 @@ Part 1 (`--shape`, default 1.7B, the largest Qwen3 shape whose merged sync fits 
 4B's float32 trainer alone is 16 GB). Random weights, Qwen's tokenizer, a server in bfloat16 started with
 --max-lora-rank (vLLM's CPU build by default), and the trainer's LoRA model (float32, r 32 on every linear
 layer) in this process. `--syncs` adapter syncs, then as many merged ones. Before each one the adapter's B
-moves (as a step would move it); then rl.py's own calls run: checkpoint.save_weights (the adapter alone,
+moves (as a step would move it); then rl.py's own calls run: weights.save_weights (the adapter alone,
 or the merged model), reload.reload_weights (pause, load, label, cache reset, resume) and the probe, the
 server's logprobs against the trainer's. No training runs: at this shape it would not fit beside the server.
 
@@ -38,9 +38,9 @@ def real_shape(args, root: Path) -> None:
     import torch
 
     from lib import inference, probing, reload
-    from lib.checkpoint import save_weights
     from lib.model import LoraConfig, ModelConfig, load_tokenizer, load_trainable
     from lib.qwen import QwenConfig, write_qwen
+    from lib.weights import save_weights
 
     began = time.perf_counter()
     base = write_qwen(root / "base", QwenConfig(shape=args.shape))

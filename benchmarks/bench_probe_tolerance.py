@@ -81,10 +81,10 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lib import inference, reload
-    from lib.checkpoint import write_hf_dir
     from lib.config import parse
     from lib.head import use_chunked_head
     from lib.qwen import QwenConfig, write_qwen
+    from lib.weights import write_hf_dir
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

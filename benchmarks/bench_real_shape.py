@@ -48,7 +48,7 @@ def child(args) -> None:
     """rl.py in this process, its sync phases timed; prints one JSON line per step."""
     from conftest import load_script
 
-    from lib import checkpoint, probing, reload
+    from lib import probing, reload, weights
     from lib.config import parse
 
     syncs = [{}]  # one dict of phase seconds per weight sync: the run's start, then every step
@@ -69,7 +69,7 @@ def child(args) -> None:
 
         return call
 
-    save_weights = checkpoint.save_weights
+    save_weights = weights.save_weights
 
     def save_and_start(*a, **k):
         began = time.perf_counter()
@@ -80,7 +80,7 @@ def child(args) -> None:
         syncs.append({"write_s": time.perf_counter() - began, "bytes": written, **step_peaks})
         return path
 
-    checkpoint.save_weights = save_and_start
+    weights.save_weights = save_and_start
     phases = {"/pause": "pause_s", "/collective_rpc": "load_s"}
     reload.post = timed(lambda http, url, path, *r: phases.get(path.split("?")[0], "other_s"), reload.post)
     probing.probe = timed("probe_s", probing.probe)

@@ -26,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lib import inference  # noqa: E402
+from lib import endpoint, inference  # noqa: E402
 from lib.tiny import TinyConfig, write_tiny  # noqa: E402
 
 MODELS = {
@@ -129,7 +129,7 @@ def main() -> None:
                 extra_args=["--max-batch-size", "64"],
                 threads=args.threads,
             ) as server:
-                url = inference.root_url(server.url)
+                url = endpoint.root_url(server.url)
                 rows = asyncio.run(compare(url, model, tokenizer, all_prompts, args))
             for concurrency, served, local in rows:
                 print(

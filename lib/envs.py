@@ -120,7 +120,7 @@ def model_context(
     """
     import verifiers.v1 as vf
 
-    from lib.inference import check_base_url
+    from lib.endpoint import check_base_url
 
     base_url = check_base_url(base_url)
     values = {"temperature": sampling.temperature, "top_p": sampling.top_p, "max_tokens": sampling.max_tokens}

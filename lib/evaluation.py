@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lib.config import UserError
-from lib.inference import HEALTH_EVERY_S, PauseWatch, check_servers
+from lib.endpoint import HEALTH_EVERY_S, PauseWatch, check_servers
 from lib.tasks import task_id
 
 

@@ -1,28 +1,23 @@
 """Inference servers from the controller's side: their settings (InferenceConfig); start scripts/serve.py on a
-free loopback port (or attach to running ones), wait for /health, watch it, stop it."""
+free loopback port (or attach to running ones), wait for /health, stop it."""
 
 import contextlib
 import dataclasses
-import functools
 import os
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Literal
 
-import httpx
-
 from lib import rundir
 from lib.config import UserError
+from lib.endpoint import check_base_url, is_healthy, model_card, served_model
 from lib.model import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-# How often the controller checks a server's /health while it waits on it (rollouts, a reload).
-HEALTH_EVERY_S = 5.0
 # The name a LoRA run's adapter is loaded under (in place, every step) and its requests ask for.
 ADAPTER_NAME = "policy-adapter"
 
@@ -116,172 +111,6 @@ def free_ports(count: int) -> list[int]:
 
 def free_port() -> int:
     return free_ports(1)[0]
-
-
-def headers(api_key: str | None) -> dict:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-
-@functools.cache
-def ssl_context():
-    """httpx's default certificate check, built once: httpx builds one for every client and every httpx.get
-    (loading the CA bundle, 0.02-0.13 s of CPU on 2 cores), and the loop talks to its servers every step."""
-    return httpx.create_ssl_context()
-
-
-def is_healthy(base_url: str, api_key: str | None = None, timeout: float = 2.0) -> bool:
-    """Whether GET /health (next to /v1) answers 200."""
-    try:
-        response = httpx.get(
-            f"{root_url(base_url)}/health", headers=headers(api_key), timeout=timeout, verify=ssl_context()
-        )
-    except httpx.HTTPError:
-        return False
-    return response.status_code == 200
-
-
-def check_servers(urls: list[str], api_key: str | None = None, timeout: float = 5.0) -> None:
-    """A one-sentence ValueError for the first server that is gone (refuses connections) or stuck (does not
-    answer GET /health within `timeout` seconds, as a stopped process does)."""
-    for url in urls:
-        root = root_url(url)
-        try:
-            response = httpx.get(
-                f"{root}/health", headers=headers(api_key), timeout=timeout, verify=ssl_context()
-            )
-        except httpx.TimeoutException:
-            raise UserError(
-                f"the inference server {root} did not answer /health within {timeout:.0f} s (is it frozen?)"
-            ) from None
-        except httpx.TransportError as error:
-            raise UserError(f"the inference server {root} is not reachable ({error}): did it stop?") from None
-        if response.status_code != 200:
-            raise UserError(f"the inference server {root} answered /health with {response.status_code}")
-
-
-# A client waiting on a server that has been paused this long by someone else (a controller killed between
-# /pause and /resume, any client's POST /pause) stops with one sentence instead of waiting forever.
-PAUSED_PATIENCE_S = 60.0
-# How often a server seen paused is asked again: a pause counts only while no answer says it ended, so a
-# server that another run pauses briefly at every step (its reloads) never adds up to PAUSED_PATIENCE_S.
-PAUSE_POLL_S = 0.1
-
-
-class PauseWatch:
-    """Stops a client that waits on servers someone else keeps paused: rl.py while the producer's take()
-    waits, eval.py and rl.py's evaluations while their rollouts run. Both engines answer GET /is_paused
-    without a key.
-
-    A server seen paused is asked again every PAUSE_POLL_S until it says otherwise. One answer per check
-    (every HEALTH_EVERY_S) could not tell one long pause from brief ones that every check landed in."""
-
-    def __init__(self, urls: list[str], api_key: str | None = None, patience: float | None = None):
-        self.urls, self.api_key = urls, api_key
-        self.patience = PAUSED_PATIENCE_S if patience is None else patience
-        self.stop = threading.Event()
-        """Set when the caller stopped waiting (Ctrl-C): a check polling in another thread then returns."""
-
-    def check(self, own_sync: bool = False) -> None:
-        """Returns once no server is paused; a UserError names the first one paused for `patience` seconds
-        without a break. A server that cannot say is left to the health check. With `own_sync` (this
-        process's reload in flight) it returns at once: the thread that calls it is the one that starts
-        reloads, so none starts while it watches."""
-        if own_sync:
-            return
-        with httpx.Client(headers=headers(self.api_key), timeout=5.0, verify=ssl_context()) as http:
-            for url in self.urls:
-                root = root_url(url)
-                began = time.monotonic()
-                while is_paused(http, root):
-                    paused_seconds = time.monotonic() - began
-                    if paused_seconds >= self.patience:
-                        raise UserError(
-                            f"the inference server {root} has been paused for {paused_seconds:.0f} s by "
-                            f"another client (a controller stopped between /pause and /resume?): nothing it "
-                            f"was asked will finish; resume it with `curl -X POST {root}/resume` (with its "
-                            f"key) or restart it"
-                        )
-                    if self.stop.wait(PAUSE_POLL_S):
-                        return
-
-
-def is_paused(http: httpx.Client, root: str) -> bool:
-    """Whether the server answers GET /is_paused with true (False when it cannot say)."""
-    try:
-        paused = http.get(f"{root}/is_paused").json()
-    except (httpx.HTTPError, ValueError):
-        return False
-    return isinstance(paused, dict) and paused.get("is_paused") is True
-
-
-async def unless_paused(coroutine, watch: PauseWatch, every: float | None = None):
-    """Awaits `coroutine`, running watch.check() every `every` seconds: a server paused too long cancels it
-    and raises the watch's UserError."""
-    import asyncio
-
-    task = asyncio.ensure_future(coroutine)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=HEALTH_EVERY_S if every is None else every)
-            if done:
-                return task.result()
-            try:
-                await asyncio.to_thread(watch.check)
-            except UserError:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                raise
-    finally:
-        watch.stop.set()  # else asyncio.run waits, after Ctrl-C, for a check still polling in its thread
-
-
-def check_base_url(base_url: str, name: str = "the base URL") -> str:
-    """The OpenAI-style base URL without a trailing slash; ValueError unless it ends in /v1."""
-    base_url = base_url.rstrip("/")
-    if not base_url.endswith("/v1"):
-        raise UserError(f"{name} must end in /v1, e.g. http://localhost:8000/v1, got {base_url}.")
-    return base_url
-
-
-def served_model(base_url: str, api_key: str | None = None) -> str:
-    """The model id a running server answers to (the first in GET /v1/models): requests must name it."""
-    return model_card(base_url, api_key)["id"]
-
-
-def model_card(base_url: str, api_key: str | None = None) -> dict:
-    """The first model of GET /v1/models (its `id`, and `max_model_len` on vLLM and the builtin engine)."""
-    base_url = check_base_url(base_url)
-    try:
-        response = httpx.get(f"{base_url}/models", headers=headers(api_key), timeout=30, verify=ssl_context())
-        response.raise_for_status()
-        card = response.json()["data"][0]
-        if not isinstance(card.get("id"), str):
-            raise LookupError("no model id")
-        return card
-    except httpx.HTTPStatusError as error:
-        status = error.response.status_code
-        raise UserError(
-            f"{base_url}/models answered {status} (a wrong API key, or not an inference server)"
-        ) from None
-    except httpx.HTTPError as error:
-        raise UserError(f"cannot reach the inference server {base_url} ({error})") from None
-    except (ValueError, LookupError, TypeError):
-        raise UserError(f"{base_url}/models does not list a model: is it an inference server?") from None
-
-
-def check_reachable(base_url: str, api_key: str | None = None) -> None:
-    """A one-sentence UserError when nothing answers at base_url (refused, unknown host, no answer in 30 s).
-    Any HTTP answer passes: an endpoint need not serve /models, and its own errors say more."""
-    base_url = check_base_url(base_url)
-    try:
-        httpx.get(f"{base_url}/models", headers=headers(api_key), timeout=30, verify=ssl_context())
-    except httpx.HTTPError as error:
-        raise UserError(f"cannot reach the inference server {base_url} ({error})") from None
-
-
-def root_url(base_url: str) -> str:
-    """http://host:port/v1 -> http://host:port (where /health and the admin routes live)."""
-    return base_url.rstrip("/").removesuffix("/v1")
 
 
 def server_environment(api_key: str | None, threads: int | None) -> dict[str, str]:

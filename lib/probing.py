@@ -7,7 +7,7 @@ import httpx
 
 from lib import reload
 from lib.config import UserError
-from lib.inference import headers, root_url, ssl_context
+from lib.endpoint import headers, root_url, ssl_context
 
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog. 0123456789"
 PROBE_TEMPERATURE = 0.5

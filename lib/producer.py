@@ -9,7 +9,7 @@ import time
 
 from lib import envs, patches
 from lib.config import UserError
-from lib.inference import HEALTH_EVERY_S
+from lib.endpoint import HEALTH_EVERY_S
 from lib.rollouts import AdvantageConfig, Buffer, Rollout, StepBatch, is_flat
 from lib.tasks import task_id
 

@@ -11,7 +11,7 @@ import httpx
 
 from lib import fingerprint
 from lib.config import UserError
-from lib.inference import HEALTH_EVERY_S, check_servers, headers, is_healthy, root_url, ssl_context
+from lib.endpoint import HEALTH_EVERY_S, check_servers, headers, is_healthy, root_url, ssl_context
 
 # /pause?mode=wait returns when the longest in-flight completion has finished (minutes for long GPU
 # completions), and loading a large model takes a while too: a request may take this long, as long as
@@ -69,7 +69,7 @@ def post(http: httpx.Client, url: str, path: str, timeout: float = REQUEST_TIMEO
 
 
 def check_weights_dir(directory: Path, adapter: bool) -> None:
-    """plainrl sends only complete weights directories it wrote (checkpoint.save_weights renames them into
+    """plainrl sends only complete weights directories it wrote (weights.save_weights renames them into
     place whole); anything else is a bug, not a user error."""
     config = directory / ("adapter_config.json" if adapter else "config.json")
     assert config.is_file() and any(directory.glob("*.safetensors")), f"{directory} is not complete"

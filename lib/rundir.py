@@ -9,7 +9,7 @@ TENSORBOARD = "tb"  # lib/log.py
 METRICS = "metrics.jsonl"  # lib/log.py
 WANDB = "wandb"  # wandb's own files: wandb.init(dir=run_dir) names the folder
 WANDB_ID = "wandb_id"  # lib/log.py: the wandb run a resume continues
-WEIGHTS = "weights"  # lib/checkpoint.py
+WEIGHTS = "weights"  # lib/weights.py
 CHECKPOINTS = "checkpoints"  # lib/checkpoint.py
 ROLLOUTS = "rollouts"  # rl.py
 EVAL = "eval"  # rl.py's evaluations during the run (lib/evaluation.py)

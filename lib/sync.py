@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from lib import dist, probing, reload
-from lib.checkpoint import save_weights
+from lib.weights import save_weights
 
 
 @dataclasses.dataclass
@@ -55,7 +55,7 @@ def publish(
     merged: bool,
     when: str,
 ) -> tuple[float, float]:
-    """Writes weights/step_N (lib/checkpoint.py), has every server load it and checks that each serves it:
+    """Writes weights/step_N (lib/weights.py), has every server load it and checks that each serves it:
     its label, and the probe scored by the trainer too (every rank takes part: under FSDP the forward is
     collective). Returns the seconds it took and the largest mean |logprob difference| from the trainer.
 

@@ -171,8 +171,8 @@ def main(cfg: Config) -> dict:
 
     import torch
 
-    from lib import dist, envs, inference, probing, rundir, sync
-    from lib.checkpoint import drop_newer, load_checkpoint, open_run, save_checkpoint, servable, step_of
+    from lib import dist, endpoint, envs, inference, probing, rundir, sync
+    from lib.checkpoint import drop_newer, load_checkpoint, open_run, save_checkpoint, step_of
     from lib.config import to_dict
     from lib.head import KeptSets, next_token_scores
     from lib.log import RunLog, rl_line, say
@@ -185,6 +185,7 @@ def main(cfg: Config) -> dict:
     from lib.producer import Producer
     from lib.rollouts import write_records
     from lib.tasks import check_env_ids
+    from lib.weights import servable
 
     # ------------------------------------------------------------ config and run directory
     rank, _, world_size = dist.world()
@@ -320,7 +321,7 @@ def main(cfg: Config) -> dict:
 
         # -------------------------------------------------------- weight sync
         # Between syncs, a server paused by someone else (a controller killed mid-sync) stops the run.
-        pause_watch = inference.PauseWatch(servers.urls, servers.api_key)
+        pause_watch = endpoint.PauseWatch(servers.urls, servers.api_key)
 
         def kept_sets(mb) -> KeptSets | None:
             """The kept sets a micro-batch's tokens were sampled from (None: the full vocabulary)."""
@@ -349,7 +350,7 @@ def main(cfg: Config) -> dict:
         def check_servers() -> None:
             """While the producer waits: every server answers /health and none stays paused (but by this
             run's own reload in flight)."""
-            inference.check_servers(servers.urls, servers.api_key)
+            endpoint.check_servers(servers.urls, servers.api_key)
             pause_watch.check(own_sync=weight_sync.in_flight())
 
         # At max_async_level >= 1 the servers reload beside the next step's training (sync.Reloader);

@@ -100,7 +100,7 @@ def main(cfg: Config) -> dict:
     import torch
 
     from lib import dist, rundir
-    from lib.checkpoint import load_checkpoint, open_run, save_checkpoint, save_weights, step_of
+    from lib.checkpoint import load_checkpoint, open_run, save_checkpoint, step_of
     from lib.config import to_dict
     from lib.data import batch_indices, load_conversations, tokenize_all
     from lib.head import next_token_scores
@@ -111,6 +111,7 @@ def main(cfg: Config) -> dict:
     from lib.plot import plot_curve
     from lib.provenance import write_provenance
     from lib.tasks import check_env_ids
+    from lib.weights import save_weights
 
     # ------------------------------------------------------------ config and run directory
     rank, _, world_size = dist.world()

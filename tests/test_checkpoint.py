@@ -12,12 +12,11 @@ from lib.checkpoint import (
     drop_newer,
     latest,
     load_checkpoint,
-    merge_lora,
     prune,
     save_checkpoint,
-    save_weights,
     step_dirs,
 )
+from lib.weights import merge_lora, save_weights
 
 
 def test_atomic_dir_appears_whole_or_not_at_all(tmp_path):

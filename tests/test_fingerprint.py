@@ -12,7 +12,7 @@ import torch
 from conftest import ROOT, load_script
 from safetensors.torch import load_file, save_file
 
-from lib import fingerprint, inference, probing, reload
+from lib import endpoint, fingerprint, inference, probing, reload
 from lib.config import UserError, parse
 
 rl = load_script("rl")
@@ -85,11 +85,11 @@ def test_a_reload_that_keeps_the_old_weights_stops_naming_the_server(server, tmp
         reload.reload_weights([url], step, None, "step_1")
     message = str(stopped.value)
     assert message.startswith(
-        f"the inference server {inference.root_url(url)} does not compute with the weights it loaded from "
+        f"the inference server {endpoint.root_url(url)} does not compute with the weights it loaded from "
         f"{step}: in its engine 0 the first differing weight is model.embed_tokens.weight (sum "
     ), message
     assert "\n" not in message
-    assert inference.served_model(url)  # resumed: it answers
+    assert endpoint.served_model(url)  # resumed: it answers
 
 
 def test_a_single_changed_weight_is_found_by_name(server, tmp_path, monkeypatch):
@@ -131,7 +131,7 @@ def test_a_bf16_run_at_lr_3e_6_passes_and_stops_on_a_stale_server_the_probe_pass
     # At the first step that trained on something (a step whose groups all scored alike moves nothing).
     stale = re.search(r"weights/step_(\d+):", message)
     assert stale and message.startswith(
-        f"the inference server {inference.root_url(url)} does not compute with the weights it loaded from "
+        f"the inference server {endpoint.root_url(url)} does not compute with the weights it loaded from "
         f"{out / 'weights' / f'step_{stale[1]}'}: in its engine 0 the first differing weight is model."
     ), message
     assert "\n" not in message
@@ -142,7 +142,7 @@ def test_a_bf16_run_at_lr_3e_6_passes_and_stops_on_a_stale_server_the_probe_pass
     after = load_file(step / "model.safetensors")
     assert any(not torch.equal(before[name], after[name]) for name in after)
     prompt = load_tokenizer(str(tiny_dir)).encode(probing.PROBE_TEXT, add_special_tokens=False)
-    answer = probing.probe(url, inference.served_model(url), prompt, None)
+    answer = probing.probe(url, endpoint.served_model(url), prompt, None)
     trainer = AutoModelForCausalLM.from_pretrained(step, dtype=torch.bfloat16).eval()
     use_chunked_head(trainer)
     scored = probing.trainer_logprobs(trainer, contextlib.nullcontext, prompt, answer.completion_ids)
@@ -196,7 +196,7 @@ def test_a_moe_models_expert_weights_are_checked_and_a_stale_expert_is_named(tmp
     with inference.running_server(
         str(moe), engine="torch", weights_root=root, log_path=tmp_path / "serve.log", extra_args=extra_args
     ) as running:
-        servers = sync.Servers([running.url], [inference.served_model(running.url)])
+        servers = sync.Servers([running.url], [endpoint.served_model(running.url)])
         settings = dict(tokenizer=load_tokenizer(str(moe)), save_dtype=save_dtype, autocast=autocast)
         settings |= dict(servers=servers, keep_weights=2, merged=False)
         _, difference = sync.publish(root, 0, model, when="at 0", **settings)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import load_script
 
-from lib import inference
+from lib import endpoint, inference
 
 
 def test_auto_engine_picks_vllm_only_with_vllm_and_cuda(monkeypatch):
@@ -76,18 +76,18 @@ def test_start_server_raises_the_end_of_the_log_when_the_server_exits(tmp_path):
 
 def test_health_checks_build_one_certificate_context(monkeypatch):
     """httpx builds a certificate context per client or httpx.get unless given one (0.02-0.13 s of CPU each
-    on 2 cores); the loop's calls to its servers reuse lib.inference.ssl_context()."""
+    on 2 cores); the loop's calls to its servers reuse lib.endpoint.ssl_context()."""
     import ssl
 
     built = []
     create = ssl.create_default_context
     monkeypatch.setattr(ssl, "create_default_context", lambda *a, **k: built.append(1) or create(*a, **k))
-    inference.ssl_context.cache_clear()
+    endpoint.ssl_context.cache_clear()
     port = inference.free_port()  # nothing listens there
     for _ in range(3):
-        assert not inference.is_healthy(f"http://127.0.0.1:{port}/v1", timeout=0.5)
+        assert not endpoint.is_healthy(f"http://127.0.0.1:{port}/v1", timeout=0.5)
     assert len(built) == 1
-    inference.ssl_context.cache_clear()
+    endpoint.ssl_context.cache_clear()
 
 
 def test_free_ports_are_distinct():

@@ -344,13 +344,13 @@ def test_the_builtin_engine_serves_kept_sets_as_vllm_does(tiny_dir, tmp_path):
     import httpx
     from transformers import AutoModelForCausalLM
 
-    from lib import inference
+    from lib import endpoint, inference
 
     extra = ["--return-sampling-mask"]
     with inference.running_server(
         str(tiny_dir), engine="torch", log_path=tmp_path / "serve.log", extra_args=extra, threads=1
     ) as masks_server:
-        root = inference.root_url(masks_server.url)
+        root = endpoint.root_url(masks_server.url)
         prompt = list(range(5, 15))
         params = {"max_tokens": 12, "temperature": 0.9, "top_k": 5, "top_p": 0.8, "logprobs": 0, "seed": 0}
         body = {"token_ids": prompt, "sampling_params": params}
@@ -388,13 +388,13 @@ def test_recomputed_sets_are_the_ones_vllm_sampled_from(vllm_server, trained_tin
     import httpx
     from transformers import AutoModelForCausalLM
 
-    from lib import inference, reload
+    from lib import endpoint, reload
     from lib.model import load_tokenizer
 
     reload.reload_weights([vllm_server.url], trained_tiny, None, "default")  # whatever ran before
     tokenizer = load_tokenizer(str(trained_tiny))
     model = AutoModelForCausalLM.from_pretrained(trained_tiny, dtype=torch.float32).eval()
-    root = inference.root_url(vllm_server.url)
+    root = endpoint.root_url(vllm_server.url)
     compared = 0
     for seed, text in enumerate(["Reverse: plainrl", "Reverse: kept sets", "Reverse: top p"]):
         prompt = tokenizer.encode(text)

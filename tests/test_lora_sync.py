@@ -19,7 +19,7 @@ import torch
 from conftest import ROOT, load_script
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lib import inference, probing, reload
+from lib import endpoint, inference, probing, reload
 from lib.config import UserError, parse
 from lib.head import use_chunked_head
 
@@ -152,7 +152,7 @@ def test_a_resume_after_kill_9_serves_the_checkpoints_adapter(lora_server, train
     assert max(int(p.name[5:]) for p in (out / "checkpoints").glob("step_*")) == 3
     # The kill may land inside a reload (at max_async_level 1 it runs beside training), leaving the server
     # paused: every request would wait. The resumed run's first reload resumes it; this test asks first.
-    httpx.post(inference.root_url(lora_server) + "/resume", timeout=30)
+    httpx.post(endpoint.root_url(lora_server) + "/resume", timeout=30)
     # The server still serves a newer adapter than the checkpoint's, measurably.
     base = AutoModelForCausalLM.from_pretrained(trained_tiny, dtype=torch.float32)
     use_chunked_head(base)  # the trainer scores tokens through it (lib/head.py)
@@ -216,7 +216,7 @@ def test_the_builtin_server_refuses_adapters_it_cannot_serve_in_one_sentence(
 
     def load(path: str, name: str = "other", inplace: bool = True) -> httpx.Response:
         body = {"lora_name": name, "lora_path": path, "load_inplace": inplace}
-        return httpx.post(f"{inference.root_url(lora_server)}/v1/load_lora_adapter", json=body, timeout=60)
+        return httpx.post(f"{endpoint.root_url(lora_server)}/v1/load_lora_adapter", json=body, timeout=60)
 
     root = tmp_path_factory.getbasetemp()
     answer = load(adapter(16, root / "rank-16"))
@@ -229,6 +229,4 @@ def test_the_builtin_server_refuses_adapters_it_cannot_serve_in_one_sentence(
     assert load(small).status_code == 200
     assert load(small, inplace=False).status_code == 400  # already loaded: in place only, as vLLM
     body = {"model": "unknown", "token_ids": [5, 6], "sampling_params": {"max_tokens": 1}}
-    assert (
-        httpx.post(f"{inference.root_url(lora_server)}/inference/v1/generate", json=body).status_code == 404
-    )
+    assert httpx.post(f"{endpoint.root_url(lora_server)}/inference/v1/generate", json=body).status_code == 404

@@ -20,7 +20,7 @@ import torch
 from conftest import ROOT, load_script
 from safetensors.torch import load_file
 
-from lib import inference
+from lib import endpoint, inference
 from lib.config import parse
 from lib.inference import free_port, free_ports
 
@@ -344,13 +344,13 @@ def test_vllm_head_and_headless_node_both_serve_every_reload(vllm_installed, tin
     def generate(rank: int) -> httpx.Response:
         """8 tokens sampled by engine `rank` (vLLM reads the header on every generate route)."""
         params = {"max_tokens": 8, "temperature": 1.0, "logprobs": 0, "seed": 1, "ignore_eos": True}
-        body = {"model": inference.served_model(url), "token_ids": prompt, "sampling_params": params}
-        generate_url = f"{inference.root_url(url)}/inference/v1/generate"
+        body = {"model": endpoint.served_model(url), "token_ids": prompt, "sampling_params": params}
+        generate_url = f"{endpoint.root_url(url)}/inference/v1/generate"
         return httpx.post(generate_url, json=body, headers={"X-data-parallel-rank": str(rank)}, timeout=60)
 
     try:
         deadline = time.monotonic() + 600  # the head answers once both engines are up: 2-4 minutes on 2 cores
-        while not inference.is_healthy(url):
+        while not endpoint.is_healthy(url):
             assert all(node.poll() is None for node in nodes), logs()
             assert time.monotonic() < deadline, logs()
             time.sleep(1)

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from lib import inference
+from lib import endpoint, inference
 
 KEY = "test-key"
 
@@ -15,7 +15,7 @@ def server(tiny_dir, tmp_path_factory):
     with inference.running_server(
         str(tiny_dir), engine="torch", api_key=KEY, log_path=log, threads=1
     ) as running:
-        yield {"url": inference.root_url(running.url), "name": str(tiny_dir)}
+        yield {"url": endpoint.root_url(running.url), "name": str(tiny_dir)}
 
 
 @pytest.fixture(scope="module")

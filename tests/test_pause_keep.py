@@ -20,7 +20,7 @@ import pytest
 import torch
 from conftest import until_decoding
 
-from lib import inference, reload
+from lib import endpoint, inference, reload
 
 PROMPT = [10 + (7 * i) % 80 for i in range(200)]
 KEPT_TOKENS = 1200
@@ -68,8 +68,8 @@ def scored(directory, token_ids: list[int]) -> torch.Tensor:
 
 def generate(url: str, max_tokens: int) -> dict:
     params = {"max_tokens": max_tokens, "temperature": 1.0, "logprobs": 0, "ignore_eos": True, "seed": 3}
-    body = {"model": inference.served_model(url), "token_ids": PROMPT, "sampling_params": params}
-    answer = httpx.post(inference.root_url(url) + "/inference/v1/generate", json=body, timeout=600)
+    body = {"model": endpoint.served_model(url), "token_ids": PROMPT, "sampling_params": params}
+    answer = httpx.post(endpoint.root_url(url) + "/inference/v1/generate", json=body, timeout=600)
     assert answer.status_code == 200, answer.text
     choice = answer.json()["choices"][0]
     return {
@@ -116,7 +116,7 @@ def test_keep_goes_on_under_the_new_weights_and_leaves_no_old_kv(server):
 
 def test_without_a_reset_the_kept_request_goes_on_from_the_old_kv(server):
     url, old, new = server
-    root = inference.root_url(url)
+    root = endpoint.root_url(url)
     answers = {}
 
     def reload_keeping_the_cache():

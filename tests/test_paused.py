@@ -14,7 +14,7 @@ import httpx
 import pytest
 from conftest import ROOT, load_script
 
-from lib import inference, sync
+from lib import endpoint, inference, sync
 from lib.config import UserError, parse
 
 ENGINES = ["torch", pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.slow])]
@@ -33,7 +33,7 @@ def builtin(tiny_dir, tmp_path_factory):
 def paused_server(request, builtin):
     """The engine's server, paused as a controller killed mid-sync leaves it; resumed after the test."""
     server = builtin[0] if request.param == "torch" else request.getfixturevalue("vllm_server")
-    root = inference.root_url(server.url)
+    root = endpoint.root_url(server.url)
     assert httpx.post(f"{root}/pause?mode=keep", timeout=30).status_code == 200
     try:
         yield server
@@ -44,11 +44,11 @@ def paused_server(request, builtin):
 @pytest.mark.parametrize("paused_server", ENGINES, indirect=True)
 def test_eval_against_a_paused_server_stops_with_one_sentence(paused_server, monkeypatch, tmp_path):
     # Before, eval.py waited in silence until killed (seen: still waiting after 100 s).
-    monkeypatch.setattr(inference, "PAUSED_PATIENCE_S", 2.0)
-    monkeypatch.setattr(inference, "HEALTH_EVERY_S", 0.5)
-    assert httpx.get(inference.root_url(paused_server.url) + "/health").status_code == 200  # looks alive
+    monkeypatch.setattr(endpoint, "PAUSED_PATIENCE_S", 2.0)
+    monkeypatch.setattr(endpoint, "HEALTH_EVERY_S", 0.5)
+    assert httpx.get(endpoint.root_url(paused_server.url) + "/health").status_code == 200  # looks alive
     eval_script = load_script("eval")
-    name = inference.served_model(paused_server.url)
+    name = endpoint.served_model(paused_server.url)
     argv = ["reverse_text", "-m", name, "-b", paused_server.url, "-n", "1", "-r", "1"]
     argv += ["--output-dir", str(tmp_path), "--name", "run"]
     began = time.monotonic()
@@ -64,8 +64,8 @@ def test_rl_stops_when_another_client_pauses_its_server_between_syncs(
 
     rl = load_script("rl")
     server, weights_root = builtin
-    root = inference.root_url(server.url)
-    monkeypatch.setattr(inference, "PAUSED_PATIENCE_S", 2.0)
+    root = endpoint.root_url(server.url)
+    monkeypatch.setattr(endpoint, "PAUSED_PATIENCE_S", 2.0)
     monkeypatch.setattr(lib.producer, "HEALTH_EVERY_S", 0.5)
     publish = sync.publish
 
@@ -100,7 +100,7 @@ def test_sigterm_stops_a_paused_builtin_server_and_its_waiting_clients_get_an_er
     try:
         root = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
-        while not inference.is_healthy(f"{root}/v1"):
+        while not endpoint.is_healthy(f"{root}/v1"):
             assert process.poll() is None and time.monotonic() < deadline, (
                 tmp_path / "serve.log"
             ).read_text()
@@ -109,7 +109,7 @@ def test_sigterm_stops_a_paused_builtin_server_and_its_waiting_clients_get_an_er
         outcome, sent = {}, threading.Event()
 
         def ask():
-            body = {"model": inference.served_model(f"{root}/v1"), "prompt": "abc", "max_tokens": 4}
+            body = {"model": endpoint.served_model(f"{root}/v1"), "prompt": "abc", "max_tokens": 4}
             trace = {"trace": lambda name, info: name == "http11.send_request_body.complete" and sent.set()}
             try:
                 with httpx.Client(timeout=60) as http:
@@ -160,8 +160,8 @@ def test_an_evaluation_during_rl_against_a_paused_server_stops_with_one_sentence
 
     rl = load_script("rl")
     server, _ = builtin
-    root = inference.root_url(server.url)
-    monkeypatch.setattr(inference, "PAUSED_PATIENCE_S", 2.0)
+    root = endpoint.root_url(server.url)
+    monkeypatch.setattr(endpoint, "PAUSED_PATIENCE_S", 2.0)
     monkeypatch.setattr(lib.evaluation, "HEALTH_EVERY_S", 0.5)
     argv = ["@", str(ROOT / "configs/tiny/rl.toml"), "--model.name", str(tiny_dir), "--eval.every", "1"]
     argv += ["--eval.num-examples", "2", "--eval.rollouts-per-example", "1", "--sampling.max-tokens", "8"]
@@ -169,7 +169,7 @@ def test_an_evaluation_during_rl_against_a_paused_server_stops_with_one_sentence
     _, evaluate = load_mixture(
         parse(rl.Config, argv),
         url=server.url,
-        model=inference.served_model(server.url),
+        model=endpoint.served_model(server.url),
         api_key=None,
         out=tmp_path,
         progress={},
@@ -213,8 +213,8 @@ def test_brief_pauses_that_every_check_lands_in_do_not_add_up(monkeypatch):
         return "done"
 
     with serve(app) as url:
-        watch = inference.PauseWatch([url], patience=1.5)
-        assert asyncio.run(inference.unless_paused(rollouts(), watch, every=0.6)) == "done"
+        watch = endpoint.PauseWatch([url], patience=1.5)
+        assert asyncio.run(endpoint.unless_paused(rollouts(), watch, every=0.6)) == "done"
 
 
 def test_a_client_stopped_while_a_server_stays_paused_stops_at_once():
@@ -232,8 +232,8 @@ def test_a_client_stopped_while_a_server_stays_paused_stops_at_once():
         return {"is_paused": True}
 
     async def stopped_while_paused(url):
-        watch = inference.PauseWatch([url], patience=60.0)
-        waiting = asyncio.ensure_future(inference.unless_paused(asyncio.Event().wait(), watch, every=0.1))
+        watch = endpoint.PauseWatch([url], patience=60.0)
+        waiting = asyncio.ensure_future(endpoint.unless_paused(asyncio.Event().wait(), watch, every=0.1))
         deadline = time.monotonic() + 30
         while len(asked) < 2:  # the watch is asking the paused server again
             assert time.monotonic() < deadline, "the watch never asked the server"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, load_script
 
-from lib import inference
+from lib import endpoint, inference
 from lib.config import parse
 
 KEY = "sk-plainrl-test-7c1d9e"
@@ -193,9 +193,9 @@ def test_a_server_rl_starts_without_a_key_given_gets_one_of_its_own(tiny_dir, tm
     def publish_and_knock(*args, **kwargs):
         result = publish(*args, **kwargs)
         servers = kwargs["servers"]
-        models = inference.root_url(servers.urls[0]) + "/v1/models"
+        models = endpoint.root_url(servers.urls[0]) + "/v1/models"
         answers["without"] = httpx.get(models).status_code
-        answers["with"] = httpx.get(models, headers=inference.headers(servers.api_key)).status_code
+        answers["with"] = httpx.get(models, headers=endpoint.headers(servers.api_key)).status_code
         answers["key"] = servers.api_key
         return result
 

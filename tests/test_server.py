@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import until_decoding
 
-from lib import inference
+from lib import endpoint, inference
 
 KEY = "test-key"
 
@@ -31,7 +31,7 @@ def server(tiny_dir, tmp_path_factory):
         extra_args=["--max-batch-size", "32"],
         threads=1,
     ) as running:
-        url = inference.root_url(running.url)
+        url = endpoint.root_url(running.url)
         client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
         yield {"url": url, "client": client, "tiny_dir": tiny_dir, "root": root, "name": str(tiny_dir)}
         client.close()

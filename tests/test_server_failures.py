@@ -16,7 +16,7 @@ import time
 import pytest
 from conftest import ROOT, load_script
 
-from lib import inference
+from lib import endpoint, inference
 from lib.config import parse
 
 pytestmark = pytest.mark.slow
@@ -49,7 +49,7 @@ def start_hidden(engine: str, model, root, name: str) -> inference.Server:
         )
     server = inference.Server(process, f"http://127.0.0.1:{port}/v1", log)
     deadline = time.monotonic() + 600
-    while not inference.is_healthy(server.url):
+    while not endpoint.is_healthy(server.url):
         assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.5)
     return server

@@ -8,7 +8,7 @@ import httpx
 import pytest
 from conftest import ROOT, load_script, until_decoding
 
-from lib import inference, probing, reload, sync
+from lib import endpoint, inference, probing, reload, sync
 from lib.config import UserError, parse
 
 rl = load_script("rl")
@@ -30,11 +30,11 @@ def test_a_failed_reload_resumes_the_server_and_names_it_and_the_directory(serve
     with pytest.raises(ValueError) as failed:
         reload.reload_weights([running.url], outside, None, "step_3")
     sentence = str(failed.value)
-    assert inference.root_url(running.url) in sentence and str(outside) in sentence and "403" in sentence
+    assert endpoint.root_url(running.url) in sentence and str(outside) in sentence and "403" in sentence
     assert "the server's --weights-root must contain the run directory" in sentence
     # Before, the server stayed paused: every request after it (an attached eval) waited forever.
-    assert httpx.get(inference.root_url(running.url) + "/is_paused").json() == {"is_paused": False}
-    assert inference.is_healthy(running.url)
+    assert httpx.get(endpoint.root_url(running.url) + "/is_paused").json() == {"is_paused": False}
+    assert endpoint.is_healthy(running.url)
 
 
 def test_a_pause_that_times_out_still_resumes_the_server(server, tiny_dir, monkeypatch):
@@ -47,8 +47,8 @@ def test_a_pause_that_times_out_still_resumes_the_server(server, tiny_dir, monke
     # 32 sequences of 2000 tokens (7-9 s on 2 cores) outlast the 1 s the pause is given; one sequence (2.5 s)
     # once did not, in a whole-suite run.
     params = {"max_tokens": 2000, "n": 32, "temperature": 1.0, "ignore_eos": True, "seed": 0}
-    body = {"model": inference.served_model(running.url), "token_ids": [5, 6, 7], "sampling_params": params}
-    generate_url = inference.root_url(running.url) + "/inference/v1/generate"
+    body = {"model": endpoint.served_model(running.url), "token_ids": [5, 6, 7], "sampling_params": params}
+    generate_url = endpoint.root_url(running.url) + "/inference/v1/generate"
     long = threading.Thread(target=lambda: httpx.post(generate_url, json=body, timeout=300))
     long.start()
     until_decoding(running.url)
@@ -61,9 +61,9 @@ def test_a_pause_that_times_out_still_resumes_the_server(server, tiny_dir, monke
     with pytest.raises(ValueError, match=r"did not answer /pause\?mode=wait within 1 s"):
         reload.reload_weights([running.url], weights, None, "step_5")
     monkeypatch.undo()
-    assert httpx.get(inference.root_url(running.url) + "/is_paused").json() == {"is_paused": False}
+    assert httpx.get(endpoint.root_url(running.url) + "/is_paused").json() == {"is_paused": False}
     long.join()
-    probe = probing.probe(running.url, inference.served_model(running.url), [5, 6, 7, 8], None)
+    probe = probing.probe(running.url, endpoint.served_model(running.url), [5, 6, 7, 8], None)
     assert len(probe.completion_ids) == probing.PROBE_TOKENS  # and it answers
 
 
@@ -88,14 +88,14 @@ def test_a_resume_whose_connection_drops_is_sent_again(server, tiny_dir, tmp_pat
         reload.reload_weights([running.url], outside, None, "step_9")
     monkeypatch.undo()
     assert dropped == ["/resume"]
-    assert httpx.get(inference.root_url(running.url) + "/is_paused").json() == {"is_paused": False}
+    assert httpx.get(endpoint.root_url(running.url) + "/is_paused").json() == {"is_paused": False}
 
 
 def test_a_reload_labels_the_weights_and_the_probe_reports_the_label(server, tiny_dir):
     running, root = server
     weights = shutil.copytree(tiny_dir, root / "weights" / "step_7", dirs_exist_ok=True)
     reload.reload_weights([running.url], weights, None, "step_7")
-    probe = probing.probe(running.url, inference.served_model(running.url), [5, 6, 7, 8], None)
+    probe = probing.probe(running.url, endpoint.served_model(running.url), [5, 6, 7, 8], None)
     assert (
         probe.label == "step_7" and len(probe.completion_ids) == len(probe.logprobs) == probing.PROBE_TOKENS
     )
@@ -117,7 +117,7 @@ def test_the_probe_stops_a_run_on_other_weights_or_a_disagreeing_server():
 def test_a_dead_or_silent_server_is_one_sentence(tmp_path):
     gone = f"http://127.0.0.1:{inference.free_port()}/v1"
     with pytest.raises(ValueError, match="is not reachable .*did it stop"):
-        inference.check_servers([gone])
+        endpoint.check_servers([gone])
     with httpx.Client() as http, pytest.raises(ValueError, match="is not reachable"):
         reload.post(http, gone, "/pause?mode=wait")
 
@@ -201,7 +201,7 @@ def test_publish_writes_the_weights_has_the_server_load_them_and_probes_it(serve
         ModelConfig(name=str(tiny_dir)), LoraConfig(), device="cpu", world_size=1, packing=True
     )
     tokenizer = load_tokenizer(str(tiny_dir))
-    servers = sync.Servers([running.url], [inference.served_model(running.url)])
+    servers = sync.Servers([running.url], [endpoint.served_model(running.url)])
     settings = dict(
         tokenizer=tokenizer, save_dtype=save_dtype, autocast=autocast, servers=servers, keep_weights=2
     )

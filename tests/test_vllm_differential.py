@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from lib import inference
+from lib import endpoint, inference
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -42,11 +42,11 @@ def servers(vllm_server, builtin_server, trained_tiny):
 
 
 def root(server) -> str:
-    return inference.root_url(server.url)
+    return endpoint.root_url(server.url)
 
 
 def model_name(server) -> str:
-    return inference.served_model(server.url)
+    return endpoint.served_model(server.url)
 
 
 def chat_prompt(text: str) -> list[dict]:

@@ -16,7 +16,7 @@ import torch
 from conftest import ROOT, load_script, recorded_layouts
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lib import inference
+from lib import endpoint
 from lib.config import parse
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -108,7 +108,7 @@ def test_shared_prompts_train_vllm_rollouts_on_policy(vllm_server, trained_tiny,
 
 def test_eval_against_vllm_with_the_seed_recipes_flags(vllm_server, tmp_path):
     evaluate = load_script("eval")
-    args = ["alphabet_sort", "-m", inference.served_model(vllm_server.url), "-b", vllm_server.url, "-n", "4"]
+    args = ["alphabet_sort", "-m", endpoint.served_model(vllm_server.url), "-b", vllm_server.url, "-n", "4"]
     args += ["-r", "3", "--max-tokens", "768", "--output-dir", str(tmp_path / "eval")]
     flags = {**THREE_TURNS, "similarity_power": 8, "power_per_turn": False}
     evaluate.main(parse(evaluate.Config, [*args, "--env-args", json.dumps(flags)]))
@@ -136,7 +136,7 @@ def test_three_turn_training_tokens_are_the_ones_vllm_echoed(vllm_server, traine
     env = envs.EnvConfig(id="alphabet_sort", args=json.dumps(THREE_TURNS), num_examples=1)
     vf_env = envs.load_env(env)
     task = envs.load_tasks(vf_env, env)[0]
-    name = inference.served_model(vllm_server.url)
+    name = endpoint.served_model(vllm_server.url)
     ctx = envs.model_context(
         vllm_server.url, name, SamplingConfig(max_tokens=64), train=True, tokenizer=trained_tiny
     )
@@ -174,7 +174,7 @@ def test_a_lora_step_reaches_vllm_as_merged_weights(vllm_server, trained_tiny, t
 
     tokenizer = AutoTokenizer.from_pretrained(trained_tiny)
     prompt = tokenizer.encode(probing.PROBE_TEXT, add_special_tokens=False)
-    served = probing.probe(vllm_server.url, inference.served_model(vllm_server.url), prompt, None)
+    served = probing.probe(vllm_server.url, endpoint.served_model(vllm_server.url), prompt, None)
     base = AutoModelForCausalLM.from_pretrained(trained_tiny, dtype=torch.float32).eval()
     ids = torch.tensor([prompt + served.completion_ids])
     with torch.no_grad():
