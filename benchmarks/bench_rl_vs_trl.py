@@ -2,9 +2,12 @@
 
 Both train the same model on the same chats (bench_trl_grpo.make_prompts, in the same order) with the
 same reward, 8 prompts x 8 completions per step, at most 64 completion tokens, temperature 1, AdamW at
-lr 1e-4. TRL runs bench_trl_grpo.py in its own throw-away virtualenv (--trl-python; plainrl does not
-depend on TRL); plainrl runs scripts/rl.py with a preset (--preset, the tiny one by default), as a user would: it starts its builtin server, splits
-the cores between server and trainer, and keeps up to max_async_level = 1 step of rollouts ahead.
+lr 1e-4, and the same loss: TRL's defaults, which configs/recipes/trl.toml writes out for plainrl (--recipe
+picks another, such as rl.py's default dppo, which then compares two algorithms as well). TRL runs
+bench_trl_grpo.py in its own throw-away virtualenv (--trl-python; plainrl does not depend on TRL); plainrl
+runs scripts/rl.py with a preset (--preset, the tiny one by default), as a user would: it starts its builtin
+server, splits the cores between server and trainer, and keeps up to max_async_level = 1 step of rollouts
+ahead.
 
 Both figures are intervals between consecutive optimizer-step ends after --warmup steps (their mean
 is the timed steps over the wall time from the end of the last warm-up step to the last timed step's
@@ -114,7 +117,7 @@ def run_plainrl(args, out: Path) -> dict:
         "@",
         str(ROOT / args.preset),
         "@",
-        str(ROOT / "configs/recipes/dppo.toml"),  # the loss the docs' figures were measured with
+        str(ROOT / "configs/recipes" / f"{args.recipe}.toml"),  # the loss (trl: TRL's own, by default)
         "--model.name",
         args.model,
         "--env.id",
@@ -171,6 +174,7 @@ def run_plainrl(args, out: Path) -> dict:
         step_intervals(ends, args.warmup),
         64,
         max_async_level=args.max_async_level,
+        recipe=args.recipe,
         mean_seconds=splits,
         rollout_tokens_per_second=timed_mean("perf/rollout_tokens_per_second"),
         train_tokens_per_second=timed_mean("perf/tokens_per_second"),
@@ -229,12 +233,16 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=-1, help="Both sides' top_k (-1 = off).")
     parser.add_argument("--preset", default="configs/tiny/rl.toml", help="plainrl's preset (configs/smollm2/rl.toml "
                         "for SmolLM2, with --plainrl-args '--micro-batch-size 2').")  # fmt: skip
+    parser.add_argument("--recipe", default="trl", help="plainrl's loss, a configs/recipes/ name: trl (TRL's "
+                        "defaults, the same algorithm on both sides) or e.g. dppo (rl.py's default).")  # fmt: skip
     parser.add_argument("--plainrl-args", default="", help="More rl.py flags, after the others (e.g. '--model.dtype "
                         "float32', TRL's dtype).")  # fmt: skip
     parser.add_argument(
         "--skip-trl", action="store_true", help="plainrl's side alone (TRL's figures from another run)."
     )
     args = parser.parse_args()
+    if not (ROOT / "configs/recipes" / f"{args.recipe}.toml").is_file():
+        sys.exit(f"no recipe configs/recipes/{args.recipe}.toml.")
     if not args.skip_trl and not Path(args.trl_python).is_file():
         sys.exit(f"no TRL virtualenv at {args.trl_python}: make one as bench_trl_grpo.py's docstring shows.")
 

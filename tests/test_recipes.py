@@ -23,7 +23,7 @@ def moved(run, tiny_dir) -> bool:
     return any(not torch.equal(trained[name], start[name]) for name in start)
 
 
-@pytest.mark.parametrize("recipe", ["dppo", "grpo", "dr_grpo", "gspo", "cispo"])
+@pytest.mark.parametrize("recipe", ["dppo", "grpo", "dr_grpo", "gspo", "cispo", "trl"])
 def test_each_recipe_runs_two_steps_and_trains(recipe, tiny_dir, server, tmp_path):  # noqa: F811
     # Each recipe over the tiny preset, which sets GSPO's: a recipe sets every field it relies on.
     cfg = rl_config(tiny_dir, tmp_path / "run", server.url, "@", str(RECIPES / f"{recipe}.toml"), *SMALL)
@@ -33,6 +33,7 @@ def test_each_recipe_runs_two_steps_and_trains(recipe, tiny_dir, server, tmp_pat
         "dr_grpo": ("ppo", "token", "constant", "none"),
         "gspo": ("ppo", "sequence", "sequence_mean", "group"),
         "cispo": ("cispo", "token", "token_mean", "group"),
+        "trl": ("ppo", "token", "token_mean", "group"),
     }[recipe]
     loss = cfg.loss
     assert (loss.variant, loss.ratio_level, loss.aggregation, cfg.advantage.normalize) == expected
