@@ -34,21 +34,32 @@ def is_healthy(base_url: str, api_key: str | None = None, timeout: float = 2.0) 
     return response.status_code == 200
 
 
+def answered(root: str, path: str, timeout: float, request) -> httpx.Response:
+    """request()'s response from the server at `root`, or a one-sentence ValueError when it did not answer
+    `path` within `timeout` seconds (frozen) or could not be reached (stopped)."""
+    try:
+        return request()
+    except httpx.TimeoutException:
+        raise UserError(
+            f"the inference server {root} did not answer {path} within {timeout:.0f} s (is it frozen?)"
+        ) from None
+    except httpx.TransportError as error:
+        raise UserError(f"the inference server {root} is not reachable ({error}): did it stop?") from None
+
+
 def check_servers(urls: list[str], api_key: str | None = None, timeout: float = 5.0) -> None:
     """A one-sentence ValueError for the first server that is gone (refuses connections) or stuck (does not
     answer GET /health within `timeout` seconds, as a stopped process does)."""
     for url in urls:
         root = root_url(url)
-        try:
-            response = httpx.get(
-                f"{root}/health", headers=headers(api_key), timeout=timeout, verify=ssl_context()
-            )
-        except httpx.TimeoutException:
-            raise UserError(
-                f"the inference server {root} did not answer /health within {timeout:.0f} s (is it frozen?)"
-            ) from None
-        except httpx.TransportError as error:
-            raise UserError(f"the inference server {root} is not reachable ({error}): did it stop?") from None
+        response = answered(
+            root,
+            "/health",
+            timeout,
+            functools.partial(
+                httpx.get, f"{root}/health", headers=headers(api_key), timeout=timeout, verify=ssl_context()
+            ),
+        )
         if response.status_code != 200:
             raise UserError(f"the inference server {root} answered /health with {response.status_code}")
 

@@ -11,7 +11,7 @@ import httpx
 
 from lib import fingerprint
 from lib.config import UserError
-from lib.endpoint import HEALTH_EVERY_S, check_servers, headers, is_healthy, root_url, ssl_context
+from lib.endpoint import HEALTH_EVERY_S, answered, check_servers, headers, is_healthy, root_url, ssl_context
 
 # /pause?mode=wait returns when the longest in-flight completion has finished (minutes for long GPU
 # completions), and loading a large model takes a while too: a request may take this long, as long as
@@ -42,6 +42,11 @@ def post(http: httpx.Client, url: str, path: str, timeout: float = REQUEST_TIMEO
         except httpx.HTTPError as error:
             outcome["error"] = error
 
+    def received() -> httpx.Response:
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["response"]
+
     # A daemon thread, not an executor: a request stuck on a frozen server must not hold up the exit.
     sender = threading.Thread(target=send, daemon=True)
     sender.start()
@@ -49,16 +54,7 @@ def post(http: httpx.Client, url: str, path: str, timeout: float = REQUEST_TIMEO
     while sender.is_alive():
         check_servers([url])
         sender.join(HEALTH_EVERY_S)
-    try:
-        if "error" in outcome:
-            raise outcome["error"]
-        response = outcome["response"]
-    except httpx.TimeoutException:
-        raise UserError(
-            f"the inference server {root} did not answer {path} within {timeout:.0f} s (is it frozen?)"
-        ) from None
-    except httpx.TransportError as error:
-        raise UserError(f"the inference server {root} is not reachable ({error}): did it stop?") from None
+    response = answered(root, path, timeout, received)
     if response.status_code >= 400:
         raise UserError(
             f"the inference server {root} answered {path} with {response.status_code}: {response.text[:300]}"
