@@ -242,3 +242,20 @@ def rl_micro_batches(
             )
         )
     return micro_batches
+
+
+def rank_shares(
+    rollouts: list["Rollout"], world_size: int, budget_tokens: int, **packing
+) -> list[tuple[list[MicroBatch], dict]]:
+    """The step's rollouts as micro-batches (rl_micro_batches, with `packing`'s keywords), dealt to the ranks
+    in turn, each with what the loss may normalise by, counted over the whole step and the same on every
+    rank: loss tokens, rollouts, episodes (a forked episode's branches count once) and Dr. GRPO's
+    budget_tokens."""
+    micro_batches = rl_micro_batches(rollouts, num_micro_batches_multiple=world_size, **packing)
+    counts = {
+        "num_loss_tokens": sum(mb.num_loss_tokens() for mb in micro_batches),
+        "num_rollouts": len(rollouts),
+        "num_episodes": len({r.step_episode for r in rollouts}),
+        "num_budget_tokens": budget_tokens,
+    }
+    return [(micro_batches[rank::world_size], counts) for rank in range(world_size)]

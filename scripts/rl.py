@@ -180,7 +180,7 @@ def main(cfg: Config) -> dict:
     from lib.mixture import load_mixture
     from lib.model import check_model_name, load_tokenizer, load_trainable, resolve_device
     from lib.optim import build_optimizer, optimizer_step
-    from lib.packing import rl_micro_batches
+    from lib.packing import rank_shares
     from lib.plot import eval_points, plot_curve
     from lib.producer import Producer
     from lib.rollouts import write_records
@@ -445,25 +445,17 @@ def main(cfg: Config) -> dict:
                 assert kept_set != "served" or all(r.kept_counts is not None for r in rollouts), (
                     "the producer lets no rollout without kept sets through"
                 )
-                micro_batches = rl_micro_batches(
+                # Dr. GRPO's budget: max_tokens is per turn, so a multi-turn rollout may hold more than its share.
+                micro_batches_per_rank = rank_shares(
                     rollouts,
-                    cfg.seq_len,
+                    world_size,
+                    budget_tokens=cfg.examples_per_step * cfg.rollouts_per_example * cfg.sampling.max_tokens,
+                    seq_len=cfg.seq_len,
                     rows_per_micro_batch=cfg.micro_batch_size,
                     pad_token_id=tokenizer.pad_token_id,
-                    num_micro_batches_multiple=world_size,
                     packing=cfg.packing,
                     share_prompts=share_prompts,
                 )
-                # What the loss may normalise by, counted over the whole step, the same on every rank. Dr.
-                # GRPO's budget: max_tokens is per turn, so a multi-turn rollout may hold more than its share.
-                budget = cfg.examples_per_step * cfg.rollouts_per_example * cfg.sampling.max_tokens
-                counts = {
-                    "num_loss_tokens": sum(mb.num_loss_tokens() for mb in micro_batches),
-                    "num_rollouts": len(rollouts),
-                    "num_episodes": len({r.step_episode for r in rollouts}),
-                    "num_budget_tokens": budget,
-                }
-                micro_batches_per_rank = [(micro_batches[r::world_size], counts) for r in range(world_size)]
             wait_seconds = time.perf_counter() - step_began
             rank_micro_batches, counts = dist.scatter(micro_batches_per_rank)
             num_loss_tokens = counts["num_loss_tokens"]
