@@ -192,16 +192,53 @@ def float32_attention(query, key, value, mask=None, scaling=None):
 
     batch, heads, length, dim = query.shape
     groups, keys = key.shape[1], key.shape[2]
-    per_group = heads // groups
     with torch.autocast(query.device.type, enabled=False):  # float32 even inside a bf16 autocast region
-        grouped = query.float().reshape(batch, groups, per_group * length, dim)  # rows: (head, query)
-        scale = dim**-0.5 if scaling is None else scaling
-        scores = (grouped @ key.float().transpose(-1, -2) * scale).view(
-            batch, groups, per_group, length, keys
-        )
-        if mask is not None:
-            mask = mask[..., :keys].unsqueeze(1)  # (B or 1, 1, 1, Q, T)
-            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-        weights = scores.softmax(dim=-1).view(batch, groups, per_group * length, keys)
+        grouped = query.float().reshape(batch, groups, heads // groups * length, dim)  # rows: (head, query)
+        scores = grouped @ key.float().transpose(-1, -2)  # (B, kv, heads per kv x Q, T)
+        weights = attention_weights(scores, query.shape, mask, keys, scaling)
         out = weights @ value.float()  # (B, kv, heads per kv x Q, D)
     return out.view(batch, heads, length, dim).to(query.dtype)
+
+
+def block_attention(query, key, value, mask=None, scaling=None):
+    """float32_attention over a decode step's cache in blocks (lib/server/kv.py BlockLayer): key and value
+    are Blocks of (blocks, B, kv heads, BLOCK, D) float32 holding `length` tokens, zeros after them. Each
+    matmul runs over the blocks, every one a contiguous run of memory; the scores are then laid end to end,
+    so the softmax and the mask are float32_attention's."""
+    import torch
+
+    batch, heads, length, dim = query.shape
+    blocks, _, groups, block, _ = key.data.shape
+    with torch.autocast(query.device.type, enabled=False):
+        grouped = query.float().reshape(batch, groups, heads // groups * length, dim)
+        scores = grouped @ key.data.transpose(-1, -2)  # (blocks, B, kv, heads per kv x Q, BLOCK)
+        scores = scores.permute(1, 2, 3, 0, 4).flatten(3)  # (B, kv, heads per kv x Q, blocks x BLOCK)
+        visible = torch.arange(blocks * block, device=query.device) < key.length  # the tokens held
+        if mask is None:
+            mask = visible
+        else:  # (B or 1, 1, Q, length) -> (..., blocks x BLOCK), the zeros past `length` hidden
+            fill = False if mask.dtype == torch.bool else float("-inf")
+            mask = torch.nn.functional.pad(
+                mask[..., : key.length], (0, blocks * block - key.length), value=fill
+            )
+        weights = attention_weights(scores, query.shape, mask, blocks * block, scaling)
+        weights = weights.unflatten(-1, (blocks, block)).permute(
+            3, 0, 1, 2, 4
+        )  # (blocks, B, kv, rows, BLOCK)
+        out = (weights @ value.data).sum(0)  # (B, kv, heads per kv x Q, D)
+    return out.view(batch, heads, length, dim).to(query.dtype)
+
+
+def attention_weights(scores, shape, mask, keys: int, scaling):
+    """Softmax weights from float32 scores (B, kv, heads per kv x Q, T) of a query of `shape` (B, heads, Q,
+    D), scaled, with mask None or (B or 1, 1, Q, >= T) (or (T,)), bool (True attends) or additive."""
+    import torch
+
+    batch, heads, length, dim = shape
+    groups = scores.shape[1]
+    scale = dim**-0.5 if scaling is None else scaling
+    scores = (scores * scale).view(batch, groups, heads // groups, length, keys)
+    if mask is not None:
+        mask = mask[..., :keys].unsqueeze(1) if mask.dim() == 4 else mask  # (B or 1, 1, 1, Q, T)
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return scores.softmax(dim=-1).view(batch, groups, heads // groups * length, keys)

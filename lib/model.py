@@ -7,11 +7,14 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import tyro
 
 from lib.config import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclasses.dataclass
@@ -225,6 +228,16 @@ def load_model(config: ModelConfig, device: str | None = None):
     return model.to(device).eval()
 
 
+@dataclasses.dataclass
+class Blocks:
+    """What the builtin engine's cache in blocks (lib/server/kv.py BlockLayer) hands a decode step's
+    attention (grouped_sdpa, lib/attention.py block_attention): its buffer and
+    how many tokens it holds."""
+
+    data: "torch.Tensor"  # (blocks, B, heads, BLOCK, head_dim), zeros past `length`
+    length: int
+
+
 def grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers' sdpa attention, but with a mask on a grouped-query model SDPA groups the key/value heads
     itself (enable_gqa) instead of getting copies of them: transformers copies them whenever a mask is given,
@@ -234,8 +247,10 @@ def grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
     import torch.nn.functional as F
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from lib.attention import float32_attention
+    from lib.attention import block_attention, float32_attention
 
+    if isinstance(key, Blocks):  # the builtin engine's decode step (lib/server/kv.py BlockLayer)
+        return block_attention(query, key, value, attention_mask, scaling).transpose(1, 2), None
     plain = kwargs.get("position_bias") is None and kwargs.get("softcap") is None and not dropout
     if plain and query.shape[2] == 1 and (attention_mask is None or attention_mask.shape[1] == 1):
         return float32_attention(query, key, value, attention_mask, scaling).transpose(1, 2), None

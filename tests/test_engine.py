@@ -140,6 +140,78 @@ def test_decode_groups_the_key_value_heads_in_the_kernel_without_copying_them(ti
         torch.testing.assert_close(torch.tensor(completion.logprobs), expected, rtol=0, atol=1e-5)
 
 
+def test_rows_leaving_and_joining_a_batch_in_blocks_keep_every_sequences_logprobs(tiny_dir):
+    # The engine's CPU cache holds 32-token blocks (lib/server/kv.py BlockLayer). A long prompt's row leaves
+    # early: the rows left drop the whole blocks of padding in front of them. A longer prompt then joins:
+    # the rows already there are padded to its length. Every served logprob stays a full forward's.
+    from lib.model import load_model
+    from lib.server.decode import Decoder, Sequence
+    from lib.server.kv import BLOCK, BlockLayer
+
+    model = load_model(ModelConfig(name=str(tiny_dir), device="cpu", dtype="float32"))
+    decoder = Decoder(model, pad_id=0, detokenize=lambda ids, skip: "", seed=0)
+
+    def sequence(prompt: list[int], max_tokens: int) -> Sequence:
+        return Sequence(
+            prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), None, frozenset(), None, 0
+        )
+
+    long, short, joining = (
+        sequence(list(range(5, 85)), 3),
+        sequence([10, 11], 12),
+        sequence(list(range(7, 47)), 6),
+    )
+    done, widths = [], []
+    with torch.inference_mode():
+        batch, finished = decoder.step(None, [long, short], "v")
+        for step in range(12):
+            batch, finished = decoder.step(batch, [joining] if step == 4 else [], "v")
+            done += finished
+            if batch is not None:
+                widths.append(batch.attention_mask.shape[1])
+                assert all(type(layer) is BlockLayer for layer in batch.cache.layers)
+    assert {seq for seq, _ in done} == {long, short, joining}
+    assert 82 + 2 - 2 * BLOCK in widths  # the short row alone: two blocks of padding dropped, not re-blocked
+    for seq, completion in done:
+        expected = full_forward_logprobs(model, seq, completion)
+        torch.testing.assert_close(torch.tensor(completion.logprobs), expected, rtol=0, atol=1e-5)
+
+
+def test_prepacked_linear_layers_compute_what_plain_ones_do_and_follow_a_reload(tiny_dir, tmp_path):
+    # On a CPU in bf16 the engine multiplies by copies of the linear weights laid out once for oneDNN
+    # (lib/server/linear.py): the logits are bit for bit the plain model's, before and after a reload.
+    from safetensors.torch import save_file
+
+    from lib.model import load_model
+    from lib.server import linear
+    from lib.server.engine import Engine
+
+    config = ModelConfig(name=str(tiny_dir), device="cpu", dtype="bfloat16")
+    engine, plain = Engine(config), load_model(config)
+    try:
+        assert engine.prepacked and all(
+            hasattr(m, "packed") for m in engine.model.modules() if isinstance(m, torch.nn.Linear)
+        )
+        ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])
+        with torch.inference_mode():
+            assert torch.equal(engine.model(ids).logits, plain(ids).logits)
+            # New weights, as a trainer's step writes them: every linear layer moved.
+            state = {name: tensor.clone() for name, tensor in plain.state_dict().items()}
+            for name in state:
+                if name.endswith("proj.weight"):
+                    state[name] += 0.05 * torch.randn_like(state[name])
+            (tmp_path / "step").mkdir()
+            save_file(state, tmp_path / "step" / "model.safetensors")
+            engine.reload(tmp_path / "step")
+            plain.load_state_dict(state)
+            moved = engine.model(ids).logits
+            assert torch.equal(moved, plain(ids).logits)
+            linear.prepack(plain)  # the same forward, prepacked here: unchanged
+            assert torch.equal(moved, plain(ids).logits)
+    finally:
+        engine.close()
+
+
 def test_equal_prompts_are_prefilled_once_and_each_sequence_then_samples_its_own_tokens(tiny_dir):
     # A group's rollouts arrive together with one prompt (8 a group in the presets): the prefill runs each
     # distinct prompt once and copies its keys and values to every sequence that asked for it.
@@ -170,6 +242,7 @@ def test_a_decode_steps_attention_is_as_close_to_float64_as_sdpas(dtype):
 
     from lib.attention import float32_attention
     from lib.model import grouped_sdpa
+    from lib.server.kv import BlockLayer
 
     generator = torch.Generator().manual_seed(0)
     rows, heads, groups, length, dim = 8, 9, 3, 40, 64
@@ -199,20 +272,44 @@ def test_a_decode_steps_attention_is_as_close_to_float64_as_sdpas(dtype):
     torch.testing.assert_close(
         float32_attention(query, key, value, additive).transpose(1, 2), ours, rtol=0, atol=0
     )
+    # The same step over the cache in blocks (lib/server/kv.py BlockLayer), as the engine's decode reads it.
+    layer = BlockLayer(torch.float32)
+    layer.update(key[:, :, :-1], value[:, :, :-1])
+    blocks = layer.update(key[:, :, -1:], value[:, :, -1:])
+    for visible in (mask, additive, None):
+        expected_here = ours if visible is not None else float32_attention(query, key, value).transpose(1, 2)
+        via_blocks, _ = grouped_sdpa(None, query, *blocks, visible)
+        torch.testing.assert_close(
+            via_blocks, expected_here, rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-2
+        )
 
 
-def test_the_kv_cache_grows_in_place_and_holds_what_concatenation_would():
+@pytest.mark.parametrize("kind", ["GrowingLayer", "BlockLayer"])
+def test_the_kv_cache_grows_in_place_and_holds_what_concatenation_would(kind):
     # A decode step writes its token into room at the end of the layer's buffers instead of concatenating the
     # history again; past the room, the buffers are copied into larger ones. Either way they hold the history.
-    from lib.server.decode import GrowingLayer
+    # A BlockLayer hands a decode step its blocks (zeros past the last token), a prefill its own states.
+    from lib.server import kv
 
-    layer = GrowingLayer(torch.float32)
-    chunks = [torch.randn(2, 3, n, 4, dtype=torch.bfloat16) for n in (10, *[1] * 70, 5)]
+    layer = getattr(kv, kind)(torch.float32)
+    chunks = [torch.randn(2, 3, n, 4, dtype=torch.bfloat16) for n in (10, *[1] * 150, 5)]
     buffers = set()
     for i, chunk in enumerate(chunks):
-        keys, values = layer.update(chunk, -chunk)
-        buffers.add(keys.untyped_storage().data_ptr())
+        given = layer.update(chunk, -chunk)
+        keys, values = layer.states()
+        buffers.add(layer.room[0].untyped_storage().data_ptr())
         history = torch.cat(chunks[: i + 1], dim=2).float()
         assert keys.dtype == torch.float32 and layer.get_seq_length() == history.shape[2]
         assert torch.equal(keys, history) and torch.equal(values, -history)
-    assert 1 < len(buffers) < 5  # 86 tokens in a few buffers, not one per step
+        if kind == "GrowingLayer" or i == len(chunks) - 1:  # (a BlockLayer's many-token update: its states)
+            assert all(torch.equal(a, b) for a, b in zip(given, (keys, values)))
+        elif i == 0:
+            assert given[0] is chunk
+        else:
+            (block_keys, block_values), length = given, history.shape[2]
+            assert block_keys.length == block_values.length == length
+            blocks = block_keys.data.shape[0]
+            assert blocks == -(-length // kv.BLOCK) and block_keys.data.shape[1:] == (2, 3, kv.BLOCK, 4)
+            laid_out = block_keys.data.permute(1, 2, 0, 3, 4).flatten(2, 3)  # (2, 3, blocks x BLOCK, 4)
+            assert torch.equal(laid_out[:, :, :length], history) and not laid_out[:, :, length:].any()
+    assert 1 < len(buffers) < 5  # 166 tokens in a few buffers, not one per step

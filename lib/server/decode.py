@@ -6,7 +6,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+
+from lib.server.kv import kv_cache, layer_states, selected
 
 # What JSON carries instead of -inf (a filtered-out token's logprob), as vLLM does.
 LOGPROB_FLOOR = -9999.0
@@ -93,7 +94,7 @@ class Batch:
     """The sequences decoded together, and their per-row state. Row i of every tensor is seqs[i]."""
 
     seqs: list[Sequence]
-    cache: DynamicCache  # kv_cache's, (B, heads, T, head_dim) per layer
+    cache: DynamicCache  # kv.py kv_cache's
     attention_mask: torch.Tensor  # (B, T), 0 on left padding
     positions: torch.Tensor  # (B,) position id of next_tokens
     temperature: torch.Tensor  # (B,) 1 for greedy rows
@@ -104,53 +105,6 @@ class Batch:
 
 
 ROW_TENSORS = ("positions", "temperature", "top_k", "top_p", "greedy", "next_tokens")
-
-
-class GrowingLayer(DynamicLayer):
-    """A layer's cached keys and values, in buffers with room at the end: a decode step writes its token
-    there, where transformers' DynamicLayer concatenates the whole history again. `dtype` is what they are
-    kept in (None: the model's); on a CPU the engine keeps float32, which float32_attention reads uncast."""
-
-    def __init__(self, dtype: torch.dtype | None = None):
-        super().__init__()
-        self.store = dtype
-        self.room: tuple[torch.Tensor, torch.Tensor] | None = None  # (B, heads, capacity, D) each
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        length = 0 if self.room is None else self.keys.shape[-2]
-        end = length + key_states.shape[-2]
-        if self.room is None or end > self.room[0].shape[-2]:
-            capacity = end + max(64, end // 4)  # a resize every ~end/4 steps keeps the copying small
-            old = self.room or (None, None)
-            self.room = tuple(
-                self.grown(new, kept, length, capacity) for new, kept in zip((key_states, value_states), old)
-            )
-        self.room[0][..., length:end, :] = key_states
-        self.room[1][..., length:end, :] = value_states
-        self.keys, self.values = self.room[0][..., :end, :], self.room[1][..., :end, :]
-        return self.keys, self.values
-
-    def grown(
-        self, states: torch.Tensor, old: torch.Tensor | None, length: int, capacity: int
-    ) -> torch.Tensor:
-        buffer = states.new_empty(
-            (*states.shape[:-2], capacity, states.shape[-1]), dtype=self.store or states.dtype
-        )
-        if old is not None:
-            buffer[..., :length, :] = old[..., :length, :]
-        return buffer
-
-
-def kv_cache(config, layers=(), dtype: torch.dtype | None = None) -> DynamicCache:
-    """A cache for `config`'s model whose full-attention layers are GrowingLayers kept in `dtype`, filled
-    with `layers`' (keys, values) when given (sliding-window layers stay transformers' own)."""
-    cache = DynamicCache(config=config)
-    cache.layers = [GrowingLayer(dtype) if type(layer) is DynamicLayer else layer for layer in cache.layers]
-    for layer, (keys, values) in zip(cache.layers, layers):
-        layer.update(keys, values)
-    return cache
 
 
 Finished = list[tuple[Sequence, Completion]]
@@ -167,18 +121,36 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return logits.masked_fill(~kept_mask(logits, top_k, top_p), float("-inf"))
 
 
+# Tokens a span of draw's search holds.
+SPAN = 256
+
+
 def draw(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """A token a row from exp(logprobs) (B, V), by inverse transform: the first token whose cumulative
-    probability passes the row's uniform number in [0, 1) (B,). The sums are float64, so 49k terms add up
-    without drift, and a token of probability 0 (filtered out) is never drawn. The same distribution as vLLM's
-    exponential race, argmax(p / E) with E ~ Exp(1), at one random number a row instead of one a token
-    (Exp(1) noise for 64 rows of SmolLM2's 49,152 tokens took a third of a decode step on a CPU)."""
-    cumulative = logprobs.double().exp_().cumsum_(dim=-1)  # (B, V)
+    probability passes the row's uniform number in [0, 1) (B,). The same distribution as vLLM's exponential
+    race, argmax(p / E) with E ~ Exp(1), at one random number a row instead of one a token (Exp(1) noise for
+    64 rows of SmolLM2's 49,152 tokens took a third of a decode step on a CPU). The sums are float64, so 49k
+    terms add up without drift, and a token of probability 0 (filtered out) is never drawn. They run in two
+    levels: over spans of SPAN tokens, then inside the span the number falls in; a float64 cumulative sum of
+    the whole vocabulary took 1.8x as long (64 rows of SmolLM2, one thread)."""
+    probs = logprobs.exp()  # (B, V)
+    if probs.shape[-1] % SPAN:
+        probs = F.pad(probs, (0, SPAN - probs.shape[-1] % SPAN))  # zeros are never drawn
+    spans = probs.unflatten(-1, (-1, SPAN))  # (B, spans, SPAN)
+    cumulative = spans.sum(-1).double().cumsum_(-1)  # (B, spans): float32 sums of SPAN terms
     total = cumulative[:, -1:]  # (B, 1): 1 up to rounding
     target = torch.minimum(
         uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total))
-    )  # < total
-    return torch.searchsorted(cumulative, target, right=True).squeeze(-1)  # (B,)
+    )  # (B, 1), < total
+    span = torch.searchsorted(cumulative, target, right=True)  # (B, 1): a span of probability > 0
+    before = torch.where(span > 0, cumulative.gather(-1, (span - 1).clamp(min=0)), 0.0)  # (B, 1)
+    inside = (
+        spans.gather(1, span[..., None].expand(-1, -1, SPAN)).squeeze(1).double().cumsum_(-1)
+    )  # (B, SPAN)
+    at = torch.searchsorted(inside, target - before, right=True)  # (B, 1)
+    # Rounding apart, the span's own sum may fall short of the target: its last token of probability > 0.
+    last = torch.searchsorted(inside, inside[:, -1:].contiguous())  # (B, 1)
+    return (span * SPAN + torch.minimum(at, last)).squeeze(-1)  # (B,)
 
 
 def processed_logprobs(
@@ -190,7 +162,9 @@ def processed_logprobs(
     filtering: greedy decoding has no sampling distribution, so it reports the plain softmax (the
     model's own probability of the argmax token).
     """
-    scaled = logits.float() / temperature[:, None]  # (B, V)
+    scaled = logits.float()  # (B, V)
+    if not bool((temperature == 1).all()):  # a pass over (B, V) that RL's temperature 1 does without
+        scaled = scaled / temperature[:, None]
     if filtered:
         scaled = filter_top_k_top_p(scaled, top_k, top_p)
     return torch.log_softmax(scaled, dim=-1)
@@ -207,9 +181,9 @@ class Decoder:
         self.device = next(model.parameters()).device
         self.vocab_size = model.config.vocab_size
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        # lib/model.py's CPU attention reads a float32 cache without casting it each step (float32_attention).
-        grouped = model.config._attn_implementation == "plainrl_grouped_sdpa"
-        self.cache_dtype = torch.float32 if grouped else None
+        # lib/model.py's CPU attention reads a float32 cache in blocks without casting it each step (kv.py).
+        self.blocks = model.config._attn_implementation == "plainrl_grouped_sdpa"
+        self.cache_dtype = torch.float32 if self.blocks else None
 
     def step(self, batch: Batch | None, new: list[Sequence], label: str) -> tuple[Batch | None, Finished]:
         """Prefills `new` into `batch` and decodes one token for every row: the batch that goes on, and the
@@ -234,14 +208,13 @@ class Decoder:
         if len(rows) < len(histories):
             cache, mask, logits = self.forward([list(ids) for ids in rows])
             index = torch.tensor([rows[tuple(ids)] for ids in histories], device=self.device)
-            layers = [(keys[index], values[index]) for keys, values, _ in cache]
-            return kv_cache(self.model.config, layers, self.cache_dtype), mask[index], logits[index]
+            return selected(cache, index)[0], mask[index], logits[index]
         width = max(len(ids) for ids in histories)
         ids = torch.tensor([[self.pad_id] * (width - len(h)) + h for h in histories], device=self.device)
         mask = torch.tensor([[0] * (width - len(h)) + [1] * len(h) for h in histories], device=self.device)
         # Every row counts positions from 0 at its first real token, whatever its padding.
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
-        cache = kv_cache(self.model.config, dtype=self.cache_dtype)
+        cache = self.cache()
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
@@ -368,15 +341,11 @@ class Decoder:
         )
 
     def select(self, batch: Batch, keep: list[int]) -> Batch:
-        """Keeps the given rows, and drops the left columns that are padding in every remaining row."""
+        """Keeps the given rows, and drops the left columns that are padding in every remaining row (a
+        BlockLayer's whole blocks of them)."""
         index = torch.tensor(keep, device=self.device)
         mask = batch.attention_mask[index]
-        start = int(mask.any(dim=0).int().argmax())
-        cache = kv_cache(
-            self.model.config,
-            [(keys[index, :, start:], values[index, :, start:]) for keys, values, _ in batch.cache],
-            self.cache_dtype,
-        )
+        cache, start = selected(batch.cache, index, int(mask.any(dim=0).int().argmax()))
         rows = {name: getattr(batch, name)[index] for name in ROW_TENSORS}
         return Batch([batch.seqs[row] for row in keep], cache, mask[:, start:], **rows)
 
@@ -392,8 +361,12 @@ class Decoder:
 
         layers = [
             (torch.cat([pad(k_old, 2), pad(k_new, 2)]), torch.cat([pad(v_old, 2), pad(v_new, 2)]))
-            for (k_old, v_old, _), (k_new, v_new, _) in zip(old.cache, new.cache)
+            for (k_old, v_old), (k_new, v_new) in zip(layer_states(old.cache), layer_states(new.cache))
         ]
         rows = {name: torch.cat([getattr(old, name), getattr(new, name)]) for name in ROW_TENSORS}
         mask = torch.cat([pad(old.attention_mask, 1), pad(new.attention_mask, 1)])
-        return Batch(old.seqs + new.seqs, kv_cache(self.model.config, layers, self.cache_dtype), mask, **rows)
+        return Batch(old.seqs + new.seqs, self.cache(layers), mask, **rows)
+
+    def cache(self, layers=()) -> DynamicCache:
+        """A KV cache for the model, filled with `layers`' (keys, values) when given (kv.py)."""
+        return kv_cache(self.model.config, layers, self.cache_dtype, self.blocks)

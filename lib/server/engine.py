@@ -13,6 +13,7 @@ import torch
 from lib import fingerprint
 from lib.config import UserError
 from lib.model import ModelConfig, load_model, load_tokenizer
+from lib.server import linear
 from lib.server.decode import Batch, Completion, Decoder, SamplingParams, Sequence
 from lib.server.protocol import Tokenizer
 
@@ -113,6 +114,9 @@ class Engine:
         seed: int = 0,
     ):
         self.model = load_model(model_config)
+        self.prepacked = linear.prepacks(self.model)
+        if self.prepacked:
+            linear.prepack(self.model)
         self.tokenizer = Tokenizer(load_tokenizer(model_config.name))
         config = self.model.config
         if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
@@ -270,6 +274,8 @@ class Engine:
             with torch.no_grad():
                 for name, tensor in tensors.items():
                     state[name].copy_(tensor)
+                if self.prepacked:
+                    linear.prepack(self.model)  # the copies the linear layers compute with
             self.reloads += 1
         finally:
             with self._cond:
