@@ -62,7 +62,7 @@ class BlockLayer(GrowingLayer):
     """A layer's keys and values in blocks of BLOCK tokens, each block one contiguous (B, heads, BLOCK, D) run
     and room for more blocks at the end. A decode step's attention reads them block by block as two long
     runs of memory: the (B, heads, capacity, D) buffers of GrowingLayer leave a gap after each row's tokens,
-    over which the CPU's batched matmuls ran at half the speed (benchmarks/bench_generation.py). Kept in
+    over which the CPU's batched matmuls ran at half the speed (docs/benchmarks.md, serving). Kept in
     float32 for lib/model.py's grouped_sdpa, which reads them uncast; a decode step gets Blocks, a prefill
     the states it gave."""
 
