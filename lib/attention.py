@@ -213,9 +213,8 @@ def block_attention(query, key, value, mask=None, scaling=None):
         grouped = query.float().reshape(batch, groups, heads // groups * length, dim)
         scores = grouped @ key.data.transpose(-1, -2)  # (blocks, B, kv, heads per kv x Q, BLOCK)
         scores = scores.permute(1, 2, 3, 0, 4).flatten(3)  # (B, kv, heads per kv x Q, blocks x BLOCK)
-        visible = torch.arange(blocks * block, device=query.device) < key.length  # the tokens held
         if mask is None:
-            mask = visible
+            mask = torch.arange(blocks * block, device=query.device) < key.length  # the tokens held
         else:  # (B or 1, 1, Q, length) -> (..., blocks x BLOCK), the zeros past `length` hidden
             fill = False if mask.dtype == torch.bool else float("-inf")
             mask = torch.nn.functional.pad(

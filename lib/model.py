@@ -231,8 +231,7 @@ def load_model(config: ModelConfig, device: str | None = None):
 @dataclasses.dataclass
 class Blocks:
     """What the builtin engine's cache in blocks (lib/server/kv.py BlockLayer) hands a decode step's
-    attention (grouped_sdpa, lib/attention.py block_attention): its buffer and
-    how many tokens it holds."""
+    attention (grouped_sdpa, lib/attention.py block_attention): its buffer and how many tokens it holds."""
 
     data: "torch.Tensor"  # (blocks, B, heads, BLOCK, head_dim), zeros past `length`
     length: int

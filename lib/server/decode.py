@@ -129,10 +129,11 @@ def draw(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """A token a row from exp(logprobs) (B, V), by inverse transform: the first token whose cumulative
     probability passes the row's uniform number in [0, 1) (B,). The same distribution as vLLM's exponential
     race, argmax(p / E) with E ~ Exp(1), at one random number a row instead of one a token (Exp(1) noise for
-    64 rows of SmolLM2's 49,152 tokens took a third of a decode step on a CPU). The sums are float64, so 49k
-    terms add up without drift, and a token of probability 0 (filtered out) is never drawn. They run in two
-    levels: over spans of SPAN tokens, then inside the span the number falls in; a float64 cumulative sum of
-    the whole vocabulary took 1.8x as long (64 rows of SmolLM2, one thread)."""
+    64 rows of SmolLM2's 49,152 tokens took a third of a decode step on a CPU). The sums run in two levels:
+    float32 sums of SPAN tokens, added up in float64 over the spans, then a float64 cumulative sum inside
+    the span the number falls in; so 49k terms add up without drift, and a token of probability 0 (filtered
+    out) is never drawn. A float64 cumulative sum of the whole vocabulary took 1.8x as long (64 rows of
+    SmolLM2, one thread)."""
     probs = logprobs.exp()  # (B, V)
     if probs.shape[-1] % SPAN:
         probs = F.pad(probs, (0, SPAN - probs.shape[-1] % SPAN))  # zeros are never drawn
