@@ -1,0 +1,76 @@
+"""plainrl_arithmetic: its answer parsing, its reward and metrics on hand-made replies, and its fixed split."""
+
+import asyncio
+
+import plainrl_arithmetic as arith
+import pytest
+
+from lib.tasks import EnvConfig, sft_conversations
+
+
+def test_the_answer_is_the_tagged_integer_else_the_last_one_written():
+    assert arith.parse_answer("so <answer> 1,024 </answer> and 7") == 1024
+    assert arith.parse_answer("<answer>-3</answer><answer>4</answer>") == -3  # the first block counts
+    assert arith.parse_answer("3 + 4 = 7. So 7 it is, not 8") == 8  # no tag: the last integer
+    assert arith.parse_answer("<answer>seven</answer> 7") is None  # a block without an integer: no answer
+    assert arith.parse_answer("no idea") is None and arith.parse_answer("") is None
+    assert arith.last_number("2 - 8 = -6") == -6
+
+
+def rewards(reply: str, expression: str, answer: int) -> dict:
+    data = arith.ArithmeticData(id="t", prompt=f"What is {expression}?", expression=expression, answer=answer)
+    task = arith.ArithmeticTask(data, arith.ArithmeticConfig().task)
+
+    class Trace:
+        last_reply = reply
+
+    trace = Trace()
+    return {
+        "correct": asyncio.run(task.correct(data, trace)),
+        "tagged": asyncio.run(task.tagged(data, trace)),
+        "last_number_correct": asyncio.run(task.last_number_correct(data, trace)),
+    }
+
+
+def test_reward_is_one_for_the_exact_value_only_and_metrics_tell_format_from_sum():
+    assert rewards("<answer>15</answer>", "8 + 7", 15) == {
+        "correct": 1,
+        "tagged": 1,
+        "last_number_correct": 1,
+    }
+    assert rewards("8 + 7 = 15", "8 + 7", 15) == {"correct": 1, "tagged": 0, "last_number_correct": 1}
+    assert rewards("<answer>15</answer> or 16", "8 + 7", 15) == {
+        "correct": 1,
+        "tagged": 1,
+        "last_number_correct": 0,
+    }
+    assert rewards("<answer>14</answer>", "8 + 7", 15) == {
+        "correct": 0,
+        "tagged": 1,
+        "last_number_correct": 0,
+    }
+    assert rewards("<answer>15.0</answer>", "8 + 7", 15)["correct"] == 0  # an integer task wants an integer
+
+
+def test_problems_are_seeded_evaluated_as_written_and_split_apart():
+    def expressions(split: str, seed: int = 0) -> list:
+        env = EnvConfig(
+            id="plainrl_arithmetic", args=f'{{"split": "{split}", "seed": {seed}, "max_operand": 20}}'
+        )
+        conversations = sft_conversations(EnvConfig(id=env.id, args=env.args, num_examples=300))
+        return [(c[1]["content"], c[2]["content"]) for c in conversations]
+
+    train, test = expressions("train"), expressions("test")
+    assert expressions("train") == train and expressions("train", seed=1) != train
+    for prompt, answer in train + test:
+        expression = prompt.removeprefix("What is ").removesuffix("?")
+        assert answer == f"<answer>{eval(expression)}</answer>"
+        assert all(1 <= int(n) <= 20 for n in expression.split(" ")[::2])
+    assert not {p for p, _ in train} & {p for p, _ in test}  # no test problem is ever a training one
+    assert len({p for p, _ in test}) > 100  # and the test split is no handful
+
+
+def test_bad_arguments_fail_in_one_sentence():
+    for args in ('{"operations": "/"}', '{"num_operands": 1}', '{"max_operand": 0}'):
+        with pytest.raises(ValueError, match=r"operations takes|need max_operand"):
+            sft_conversations(EnvConfig(id="plainrl_arithmetic", args=args, num_examples=2))
