@@ -262,3 +262,29 @@ def test_held_out_tasks_of_an_upstream_taskset_are_kept_apart_by_idx(monkeypatch
     repeated = [SimpleNamespace(data=SimpleNamespace(id=None, idx=i % 3)) for i in range(6)]
     with pytest.raises(ValueError, match=r"task ids are not unique.*\['0', '1', '2'\]"):
         split_held_out(repeated, 3)
+
+
+@pytest.mark.parametrize("key", [None, "wrong"])
+def test_eval_with_a_wrong_or_missing_api_key_stops_before_any_episode(
+    eval_script, key, tmp_path, capsys, monkeypatch
+):
+    """A server that refuses the key would fail every episode; eval.py says so first and makes no run dir."""
+    from lib.server.routes import RequireKey
+
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    if key is None:
+        monkeypatch.delenv("PLAINRL_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("PLAINRL_API_KEY", key)
+    app = oracle_app(sft_conversations(EnvConfig(id="reverse_text", args=SYNTHETIC, num_examples=2)))
+    app.add_middleware(RequireKey, expected=b"Bearer right")
+    with serve(app) as url:
+        argv = ["reverse_text", "-m", "oracle", "-b", url, "-n", "2", "--env-args", SYNTHETIC]
+        config = parse(eval_script.Config, [*argv, "--output-dir", str(tmp_path)])
+        with pytest.raises(SystemExit) as exit_info:
+            run_main(eval_script.main, config)
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    sentence = "the API key is wrong or missing (set $PLAINRL_API_KEY to the server's), or it is no inference server"
+    assert err.strip().splitlines()[-1] == f"error: {url}/models answered 401: {sentence}.", err
+    assert "run dir" not in out and list(tmp_path.iterdir()) == []
