@@ -9,7 +9,8 @@ builtin server (scripts/serve.py) on the model and stops it afterwards. An episo
 error, harness failure, an exception in a reward) is counted as an error with its cause, scores 0 in
 the averages, and never stops the run; summary.json says how many failed (`error_rate`, `status`).
 When every episode fails, or a -b endpoint does not answer at all, the run ends with one sentence and
-exit code 2 (summary.json, when written, has `"status": "failed"` and `"avg_reward": null`).
+exit code 2 (summary.json, when written, has `"status": "failed"` and `"avg_reward": null`); so does a
+server that dies or freezes mid-run (its /health is checked every 5 s, as in rl.py's evaluations).
 
 Usage:
     python scripts/eval.py reverse_text -m outputs/models/tiny -n 20 -r 3               # CPU, own server
@@ -37,7 +38,7 @@ import tyro
 from lib.config import UserError, fail, given_api_key, parse, run_main, write_config
 from lib.endpoint import check_base_url, check_reachable
 from lib.envs import json_object
-from lib.evaluation import pass_at_k, run_all, summarize  # noqa: F401 (pass_at_k: eval.pass_at_k for users)
+from lib.evaluation import pass_at_k, run_all, summarize, while_healthy  # noqa: F401 (pass_at_k: eval.pass_at_k for users)
 from lib.log import WandbConfig
 from lib.model import ModelConfig
 from lib.sampling import SamplingConfig
@@ -96,7 +97,7 @@ def main(cfg: Config) -> dict:
     from rich.text import Text
 
     from lib.config import to_dict
-    from lib.endpoint import PauseWatch, unless_paused
+    from lib.endpoint import PauseWatch, is_healthy, unless_paused
     from lib.envs import EnvConfig, episode_reward, key_in_environment, load_env, load_tasks, model_context
     from lib.inference import running_server
     from lib.log import wandb_eval
@@ -168,8 +169,14 @@ def main(cfg: Config) -> dict:
                 rollouts = run_all(
                     vf_env, tasks, ctx, cfg.rollouts_per_example, cfg.max_concurrent, advance, out
                 )
-                # A server someone left paused would hold every request forever: stop with one sentence.
-                records = asyncio.run(unless_paused(rollouts, PauseWatch([base_url], api_key)))
+                # The client has no read timeout: a server that freezes, dies or is left paused would hold
+                # every request forever. Its /health is watched as in rl.py's evaluations (one sentence ends
+                # the run); an endpoint without /health (a hosted API) only for a pause.
+                if is_healthy(base_url, api_key):
+                    rollouts = while_healthy(rollouts, base_url, api_key)
+                else:
+                    rollouts = unless_paused(rollouts, PauseWatch([base_url], api_key))
+                records = asyncio.run(rollouts)
             except KeyboardInterrupt:
                 done = len(results.read_text().splitlines())
                 console.print(f"{done} of {total} rollouts (the groups that finished) are in {results}")

@@ -1,5 +1,6 @@
 """scripts/eval.py: against a server that always answers right, with failing environments, and against the builtin server."""
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -14,6 +15,9 @@ from lib.inference import free_port
 FIXTURES = Path(__file__).parent / "fixtures"
 SYNTHETIC = '{"source": "synthetic"}'
 THREE_TURNS = '{"source": "synthetic", "min_turns": 3, "max_turns": 3}'
+# How long eval.py may take to notice a frozen server: up to 5 s to the next health check, its 5 s timeout
+# and stopping a server of its own, twice that on a loaded 2-core machine; one that waits forever never ends.
+NOTICE_S = 40.0
 
 
 @pytest.fixture(scope="module")
@@ -285,6 +289,73 @@ def test_eval_with_a_wrong_or_missing_api_key_stops_before_any_episode(
             run_main(eval_script.main, config)
     assert exit_info.value.code == 2
     out, err = capsys.readouterr()
-    sentence = "the API key is wrong or missing (set $PLAINRL_API_KEY to the server's), or it is no inference server"
+    sentence = (
+        "the API key is wrong or missing (set $PLAINRL_API_KEY to the server's), or it is no inference server"
+    )
     assert err.strip().splitlines()[-1] == f"error: {url}/models answered 401: {sentence}.", err
     assert "run dir" not in out and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attached", [True, False], ids=["attached", "own-server"])
+def test_eval_ends_in_one_sentence_when_its_server_freezes(
+    attached, eval_script, tiny_dir, tmp_path, capsys, monkeypatch
+):
+    """A server stopped (SIGSTOP) mid-eval answers nothing: the /health watch rl.py's evaluations use ends
+    eval.py too, with `-b` or with a server of its own, instead of waiting forever."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import lib.inference
+
+    monkeypatch.delenv("PLAINRL_API_KEY", raising=False)
+    servers, start = [], lib.inference.running_server
+
+    @contextlib.contextmanager
+    def recorded(*args, **kwargs):
+        with start(*args, **kwargs) as server:
+            servers.append(server)
+            yield server
+
+    monkeypatch.setattr(lib.inference, "running_server", recorded)
+    argv = ["reverse_text", "-m", str(tiny_dir), "-n", "1000", "-r", "1", "--max-concurrent", "4"]
+    argv += ["--max-tokens", "16", "--env-args", SYNTHETIC, "--output-dir", str(tmp_path), "--name", "run"]
+    ended = {}
+
+    def evaluate():
+        try:
+            run_main(eval_script.main, parse(eval_script.Config, argv))
+        except SystemExit as exit_info:
+            ended["code"] = exit_info.code
+
+    with contextlib.ExitStack() as stack:
+        if attached:
+            own = stack.enter_context(recorded(str(tiny_dir), engine="torch", log_path=tmp_path / "b.log"))
+            argv += ["-b", own.url]
+        thread = threading.Thread(target=evaluate, daemon=True)  # it would wait forever on the frozen server
+        thread.start()
+        results, deadline = tmp_path / "run" / "results.jsonl", time.monotonic() + 300
+        while not (results.is_file() and results.read_text()):  # a group has finished: mid-run
+            assert thread.is_alive() and time.monotonic() < deadline, ended
+            time.sleep(0.05)
+        server = servers[0]
+        os.killpg(server.process.pid, signal.SIGSTOP)
+        stack.callback(
+            lambda: server.process.poll() is None and os.killpg(server.process.pid, signal.SIGCONT)
+        )
+        frozen = time.monotonic()
+        thread.join(NOTICE_S)
+        seconds = time.monotonic() - frozen
+        assert not thread.is_alive(), (
+            f"eval.py still waited on a frozen server {NOTICE_S:.0f} s after SIGSTOP"
+        )
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    root = server.url.removesuffix("/v1")
+    assert (
+        ended["code"] == 2
+        and last == f"error: the inference server {root} did not answer /health within 5 s (is it frozen?)."
+    ), last
+    with capsys.disabled():
+        print(f"\neval.py ended {seconds:.1f} s after its server froze: {last}")
