@@ -10,7 +10,11 @@ error, harness failure, an exception in a reward) is counted as an error with it
 the averages, and never stops the run; summary.json says how many failed (`error_rate`, `status`).
 When every episode fails, or a -b endpoint does not answer at all, the run ends with one sentence and
 exit code 2 (summary.json, when written, has `"status": "failed"` and `"avg_reward": null`); so does a
-server that dies or freezes mid-run (its /health is checked every 5 s, as in rl.py's evaluations).
+server that dies or freezes mid-run (its /health is checked every 5 s, as in rl.py's evaluations). A -b
+server answers to the name it was started with, whatever it loaded since: with -m a local directory, the
+weights it computes with are compared with -m's first (their fingerprints, lib/reload.py check_serves),
+and a difference stops the run in one sentence before any episode; summary.json's `served_weights` says
+what was compared, or why it could not be (a hosted API, a hub id).
 
 Usage:
     python scripts/eval.py reverse_text -m outputs/models/tiny -n 20 -r 3               # CPU, own server
@@ -103,6 +107,7 @@ def main(cfg: Config) -> dict:
     from lib.log import wandb_eval
     from lib.model import check_model_name
     from lib.provenance import write_provenance
+    from lib.reload import check_serves
     from lib.tasks import check_env_ids
 
     console = Console()
@@ -124,8 +129,11 @@ def main(cfg: Config) -> dict:
     tasks = list(load_tasks(vf_env, env).taskset)  # bounded: finite, or cut to -n
     if not tasks:
         fail(f"environment {cfg.env} gave no tasks.")
-    if cfg.base_url is not None:  # else every episode would fail on it, one by one
-        check_reachable(cfg.base_url, api_key)
+    if cfg.base_url is not None:
+        check_reachable(cfg.base_url, api_key)  # else every episode would fail on it, one by one
+        # A server answers to the name it was started with, whatever it loaded since (an attached rl.py
+        # run loads its own weights): what it computes with must be -m, or no score is -m's.
+        served = check_serves(cfg.base_url, Path(cfg.model.name), api_key)
     # The run directory only once the input is known good: a refused run leaves nothing behind.
     name = cfg.name or f"{cfg.env}-{Path(cfg.model.name).name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = cfg.output_dir / name
@@ -147,9 +155,11 @@ def main(cfg: Config) -> dict:
                 base_url, command = server.url, server.process.args
             except RuntimeError as error:
                 fail(str(error))
+            served = check_serves(base_url, Path(cfg.model.name), api_key)
+        print(f"served weights: {served}", flush=True)
         stack.enter_context(key_in_environment(api_key))
         ctx = model_context(base_url, cfg.model.name, cfg.sampling)
-        write_provenance(run_dir, [{"url": base_url, "command": command}], api_key)
+        write_provenance(run_dir, [{"url": base_url, "command": command, "weights": served}], api_key)
 
         # ------------------------------------------------------------ rollouts
         total = len(tasks) * cfg.rollouts_per_example
@@ -186,7 +196,7 @@ def main(cfg: Config) -> dict:
     # ---------------------------------------------------------------- results
     results.write_text("".join(json.dumps(line) + "\n" for line in records))
     summary = {"env": cfg.env, "model": cfg.model.name, **summarize(records, cfg.rollouts_per_example)}
-    summary["seconds"] = seconds
+    summary["seconds"], summary["served_weights"] = seconds, served
     # No episode was scored: a 0.0 would read as a model that scores nothing.
     if summary["status"] == "failed":
         summary.update(avg_reward=None, std_reward=None, perfect_rate=None, pass_at_k={})

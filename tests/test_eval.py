@@ -332,8 +332,10 @@ def test_eval_ends_in_one_sentence_when_its_server_freezes(
 
     with contextlib.ExitStack() as stack:
         if attached:
-            own = stack.enter_context(recorded(str(tiny_dir), engine="torch", log_path=tmp_path / "b.log"))
-            argv += ["-b", own.url]
+            attached_server = stack.enter_context(
+                recorded(str(tiny_dir), engine="torch", log_path=tmp_path / "b.log")
+            )
+            argv += ["-b", attached_server.url]
         thread = threading.Thread(target=evaluate, daemon=True)  # it would wait forever on the frozen server
         thread.start()
         results, deadline = tmp_path / "run" / "results.jsonl", time.monotonic() + 300
@@ -359,3 +361,79 @@ def test_eval_ends_in_one_sentence_when_its_server_freezes(
     ), last
     with capsys.disabled():
         print(f"\neval.py ended {seconds:.1f} s after its server froze: {last}")
+
+
+def changed_copy(model: Path, to: Path) -> Path:
+    """A copy of the model directory `model` with one weight moved, as a training step would."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, to)
+    [file] = to.glob("*.safetensors")
+    weights = load_file(file)
+    weights["model.norm.weight"] += 0.25
+    save_file(weights, file, metadata={"format": "pt"})
+    return to
+
+
+def test_eval_stops_when_the_server_computes_with_other_weights_than_m(
+    eval_script, tiny_dir, tmp_path, capsys
+):
+    """A server that another run loaded its weights into still answers to the name it was started with:
+    eval.py compares the weights it computes with against -m's, records what it found, and stops before any
+    episode when they differ."""
+    import shutil
+
+    from lib.inference import running_server
+    from lib.reload import reload_weights
+
+    started, trained = tmp_path / "sft" / "step_40", changed_copy(tiny_dir, tmp_path / "rl" / "step_3")
+    shutil.copytree(tiny_dir, started)
+    log = tmp_path / "server.log"
+    with running_server(str(started), engine="torch", weights_root=tmp_path, log_path=log) as server:
+        argv = f"reverse_text -m {started} -b {server.url} -n 1 -r 1 --max-tokens 4".split()
+        summary, _, _ = evaluate(eval_script, [*argv, "--env-args", SYNTHETIC], tmp_path / "same", capsys)
+        checked = f"the weights in {started}: every weight's fingerprint, in float32"
+        assert summary["served_weights"] == checked
+        provenance = json.loads((tmp_path / "same" / "run" / "provenance.json").read_text())
+        assert provenance["servers"][0]["weights"] == checked
+
+        reload_weights([server.url], trained, None, "step_3")  # what an attached rl.py run does
+        config = parse(
+            eval_script.Config, [*argv, "--env-args", SYNTHETIC, "--output-dir", str(tmp_path / "other")]
+        )
+        with pytest.raises(SystemExit) as exit_info:
+            run_main(eval_script.main, config)
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    root = server.url.removesuffix("/v1")
+    assert last.startswith(
+        f"error: the inference server {root} does not compute with the weights in {started} (-m): its first "
+        "differing weight is model.norm.weight (sum "
+    ), last
+    assert not (tmp_path / "other").exists()  # stopped before its run directory
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_eval_checks_what_a_vllm_server_computes_with(
+    eval_script, vllm_server, trained_tiny, tiny_dir, tmp_path, capsys
+):
+    """vLLM shows the weights it computes with through plainrl's worker extension (lib/vllm.py), as the
+    builtin engine does: eval.py records them, or stops when they are not -m's."""
+    from lib.reload import check_serves
+
+    served = check_serves(vllm_server.url, trained_tiny, None)
+    assert served == f"the weights in {trained_tiny}: every weight's fingerprint, in float32"
+    argv = f"reverse_text -m {tiny_dir} -b {vllm_server.url} -n 1 -r 1 --env-args".split() + [SYNTHETIC]
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(eval_script.main, parse(eval_script.Config, [*argv, "--output-dir", str(tmp_path)]))
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    root = vllm_server.url.removesuffix("/v1")
+    assert last.startswith(
+        f"error: the inference server {root} does not compute with the weights in {tiny_dir} (-m): its first "
+        "differing weight is "
+    ), last
+    assert list(tmp_path.iterdir()) == []
