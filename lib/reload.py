@@ -160,7 +160,8 @@ def check_serves(url: str, directory: Path, api_key: str | None) -> str:
         raise UserError(
             f"the inference server {root} does not compute with the weights in {directory} (-m): its first "
             f"differing weight is {difference}; another run may have loaded its own weights since it started: "
-            "restart the server on -m, or evaluate without -b (eval.py then starts a server on -m)"
+            "restart the server on -m, evaluate without -b (eval.py then starts a server on -m), or pass "
+            "--reload-weights to load -m into it"
         )
     return f"the weights in {directory}: every weight's fingerprint, in {served['dtype']}"
 

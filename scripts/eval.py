@@ -13,8 +13,9 @@ exit code 2 (summary.json, when written, has `"status": "failed"` and `"avg_rewa
 server that dies or freezes mid-run (its /health is checked every 5 s, as in rl.py's evaluations). A -b
 server answers to the name it was started with, whatever it loaded since: with -m a local directory, the
 weights it computes with are compared with -m's first (their fingerprints, lib/reload.py check_serves),
-and a difference stops the run in one sentence before any episode; summary.json's `served_weights` says
-what was compared, or why it could not be (a hosted API, a hub id).
+and a difference stops the run in one sentence before any episode (--reload-weights loads -m into the
+server instead); summary.json's `served_weights` says what was compared, or why it could not be (a
+hosted API, a hub id).
 
 Usage:
     python scripts/eval.py reverse_text -m outputs/models/tiny -n 20 -r 3               # CPU, own server
@@ -58,6 +59,10 @@ class Config:
     """OpenAI-compatible base URL such as http://localhost:8000/v1; None starts a builtin server."""
     api_key: str | None = None
     """API key for the endpoint (default: $PLAINRL_API_KEY, else, for a -b endpoint, $OPENAI_API_KEY)."""
+    reload_weights: bool = False
+    """With -b and -m a local weights directory: when the server computes with other weights, load -m into
+    it first (as rl.py reloads; the builtin engine needs -m under its --weights-root). Its other clients
+    get -m's weights too."""
     engine: Literal["auto", "torch", "vllm"] = "auto"
     """Engine of the server started when no -b is given."""
     num_examples: Annotated[int, tyro.conf.arg(aliases=("-n",))] = 20
@@ -90,6 +95,8 @@ class Config:
             raise UserError("max_concurrent must be at least 1.")
         if self.base_url is not None:
             check_base_url(self.base_url, "base_url")
+        elif self.reload_weights:
+            raise UserError("reload_weights is for a -b server: a server eval.py starts serves -m already.")
         json_object(self.env_args, "env_args")
 
 
@@ -107,7 +114,7 @@ def main(cfg: Config) -> dict:
     from lib.log import wandb_eval
     from lib.model import check_model_name
     from lib.provenance import write_provenance
-    from lib.reload import check_serves
+    from lib.reload import check_serves, reload_weights
     from lib.tasks import check_env_ids
 
     console = Console()
@@ -133,7 +140,14 @@ def main(cfg: Config) -> dict:
         check_reachable(cfg.base_url, api_key)  # else every episode would fail on it, one by one
         # A server answers to the name it was started with, whatever it loaded since (an attached rl.py
         # run loads its own weights): what it computes with must be -m, or no score is -m's.
-        served = check_serves(cfg.base_url, Path(cfg.model.name), api_key)
+        try:
+            served = check_serves(cfg.base_url, Path(cfg.model.name), api_key)
+        except UserError:
+            if not cfg.reload_weights:
+                raise
+            directory = Path(cfg.model.name)
+            reload_weights([cfg.base_url], directory, api_key, label=directory.resolve().name)
+            served = f"{check_serves(cfg.base_url, directory, api_key)} (loaded by --reload-weights)"
     # The run directory only once the input is known good: a refused run leaves nothing behind.
     name = cfg.name or f"{cfg.env}-{Path(cfg.model.name).name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = cfg.output_dir / name

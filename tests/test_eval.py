@@ -182,6 +182,8 @@ def test_eval_rejects_bad_input_in_one_sentence(eval_script):
         parse(eval_script.Config, ["reverse_text", "-b", "http://localhost:8000", "-n", "2"])
     with pytest.raises(SystemExit):
         parse(eval_script.Config, ["reverse_text", "--env-args", "[1, 2]"])
+    with pytest.raises(SystemExit):  # a server of its own serves -m already
+        parse(eval_script.Config, ["reverse_text", "--reload-weights"])
 
 
 def test_eval_against_the_builtin_server_on_the_tiny_model(eval_script, tiny_dir, tmp_path, capsys):
@@ -382,7 +384,7 @@ def test_eval_stops_when_the_server_computes_with_other_weights_than_m(
 ):
     """A server that another run loaded its weights into still answers to the name it was started with:
     eval.py compares the weights it computes with against -m's, records what it found, and stops before any
-    episode when they differ."""
+    episode when they differ; with --reload-weights it loads -m into the server instead."""
     import shutil
 
     from lib.inference import running_server
@@ -405,14 +407,19 @@ def test_eval_stops_when_the_server_computes_with_other_weights_than_m(
         )
         with pytest.raises(SystemExit) as exit_info:
             run_main(eval_script.main, config)
-    assert exit_info.value.code == 2
-    last = capsys.readouterr().err.strip().splitlines()[-1]
-    root = server.url.removesuffix("/v1")
-    assert last.startswith(
-        f"error: the inference server {root} does not compute with the weights in {started} (-m): its first "
-        "differing weight is model.norm.weight (sum "
-    ), last
-    assert not (tmp_path / "other").exists()  # stopped before its run directory
+        assert exit_info.value.code == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        root = server.url.removesuffix("/v1")
+        assert last.startswith(
+            f"error: the inference server {root} does not compute with the weights in {started} (-m): its "
+            "first differing weight is model.norm.weight (sum "
+        ), last
+        assert not (tmp_path / "other").exists()  # stopped before its run directory
+
+        argv += ["--reload-weights", "--env-args", SYNTHETIC]
+        summary, _, _ = evaluate(eval_script, argv, tmp_path / "reloaded", capsys)
+        assert summary["served_weights"] == f"{checked} (loaded by --reload-weights)"
+        assert summary["num_errors"] == 0
 
 
 @pytest.mark.slow
