@@ -43,7 +43,7 @@ import tyro
 from lib.config import UserError, fail, given_api_key, parse, run_main, write_config
 from lib.endpoint import check_base_url, check_reachable
 from lib.envs import json_object
-from lib.evaluation import pass_at_k, run_all, summarize, while_healthy  # noqa: F401 (pass_at_k: eval.pass_at_k for users)
+from lib.evaluation import pass_at_k, run_all, summarize  # noqa: F401 (pass_at_k: eval.pass_at_k for users)
 from lib.log import WandbConfig
 from lib.model import ModelConfig
 from lib.sampling import SamplingConfig
@@ -110,6 +110,7 @@ def main(cfg: Config) -> dict:
     from lib.config import to_dict
     from lib.endpoint import PauseWatch, is_healthy, unless_paused
     from lib.envs import EnvConfig, episode_reward, key_in_environment, load_env, load_tasks, model_context
+    from lib.evaluation import while_healthy
     from lib.inference import running_server
     from lib.log import wandb_eval
     from lib.model import check_model_name
