@@ -424,7 +424,7 @@ def test_eval_stops_when_the_server_computes_with_other_weights_than_m(
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_eval_checks_what_a_vllm_server_computes_with(
-    eval_script, vllm_server, trained_tiny, tiny_dir, tmp_path, capsys
+    eval_script, vllm_server, trained_tiny, tmp_path, capsys
 ):
     """vLLM shows the weights it computes with through plainrl's worker extension (lib/vllm.py), as the
     builtin engine does: eval.py records them, or stops when they are not -m's."""
@@ -432,14 +432,15 @@ def test_eval_checks_what_a_vllm_server_computes_with(
 
     served = check_serves(vllm_server.url, trained_tiny, None)
     assert served == f"the weights in {trained_tiny}: every weight's fingerprint, in float32"
-    argv = f"reverse_text -m {tiny_dir} -b {vllm_server.url} -n 1 -r 1 --env-args".split() + [SYNTHETIC]
+    moved = changed_copy(trained_tiny, tmp_path / "moved")
+    argv = f"reverse_text -m {moved} -b {vllm_server.url} -n 1 -r 1 --env-args".split() + [SYNTHETIC]
     with pytest.raises(SystemExit) as exit_info:
-        run_main(eval_script.main, parse(eval_script.Config, [*argv, "--output-dir", str(tmp_path)]))
+        run_main(eval_script.main, parse(eval_script.Config, [*argv, "--output-dir", str(tmp_path / "out")]))
     assert exit_info.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     root = vllm_server.url.removesuffix("/v1")
     assert last.startswith(
-        f"error: the inference server {root} does not compute with the weights in {tiny_dir} (-m): its first "
-        "differing weight is "
+        f"error: the inference server {root} does not compute with the weights in {moved} (-m): its first "
+        "differing weight is model.norm.weight (sum "
     ), last
-    assert list(tmp_path.iterdir()) == []
+    assert not (tmp_path / "out").exists()
