@@ -165,9 +165,9 @@ def model_card(base_url: str, api_key: str | None = None) -> dict:
         return card
     except httpx.HTTPStatusError as error:
         status = error.response.status_code
-        raise UserError(
-            f"{base_url}/models answered {status} (a wrong API key, or not an inference server)"
-        ) from None
+        if status in (401, 403):
+            raise key_refused(base_url, status) from None
+        raise UserError(f"{base_url}/models answered {status}: is it an inference server?") from None
     except httpx.HTTPError as error:
         raise UserError(f"cannot reach the inference server {base_url} ({error})") from None
     except (ValueError, LookupError, TypeError):
@@ -176,12 +176,23 @@ def model_card(base_url: str, api_key: str | None = None) -> dict:
 
 def check_reachable(base_url: str, api_key: str | None = None) -> None:
     """A one-sentence UserError when nothing answers at base_url (refused, unknown host, no answer in 30 s).
-    Any HTTP answer passes: an endpoint need not serve /models, and its own errors say more."""
+    Any other HTTP answer passes but a refused key (401, 403), which would fail every request: an endpoint
+    need not serve /models, and its own errors say more."""
     base_url = check_base_url(base_url)
     try:
-        httpx.get(f"{base_url}/models", headers=headers(api_key), timeout=30, verify=ssl_context())
+        response = httpx.get(f"{base_url}/models", headers=headers(api_key), timeout=30, verify=ssl_context())
     except httpx.HTTPError as error:
         raise UserError(f"cannot reach the inference server {base_url} ({error})") from None
+    if response.status_code in (401, 403):
+        raise key_refused(base_url, response.status_code)
+
+
+def key_refused(base_url: str, status: int) -> UserError:
+    """The sentence for a server that refuses the key sent (or the lack of one) on GET /models."""
+    return UserError(
+        f"{base_url}/models answered {status}: the API key is wrong or missing (set $PLAINRL_API_KEY to the "
+        "server's), or it is no inference server"
+    )
 
 
 def root_url(base_url: str) -> str:

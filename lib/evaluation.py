@@ -157,8 +157,15 @@ async def while_healthy(work, base_url: str, api_key: str | None):
             done, _ = await asyncio.wait({running}, timeout=HEALTH_EVERY_S)
             if done:
                 return running.result()
-            await asyncio.to_thread(check_servers, [base_url], api_key)
-            await asyncio.to_thread(watch.check)
+            try:
+                await asyncio.to_thread(check_servers, [base_url], api_key)
+                await asyncio.to_thread(watch.check)
+            except UserError:
+                # Its episodes end here, not in asyncio.run's shutdown, which prints a traceback for each
+                # episode's interception still open.
+                running.cancel()
+                await asyncio.gather(running, return_exceptions=True)
+                raise
     finally:
         running.cancel()
         watch.stop.set()  # else asyncio.run waits, after Ctrl-C, for a check still polling in its thread

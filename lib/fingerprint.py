@@ -40,16 +40,20 @@ def of_tensor(tensor: torch.Tensor) -> list[float]:
     return of_values(tensor.index_select(-1, columns(tensor.shape[-1]).to(tensor.device)))
 
 
-def of_directory(directory: Path) -> dict[str, list[float]]:
-    """{weight name: fingerprint} of a Hugging Face safetensors directory, in the dtype it was written in,
-    the output layer included where it is the embedding (tie_word_embeddings: the file holds it once)."""
+def of_directory(directory: Path, dtype: str | None = None) -> dict[str, list[float]]:
+    """{weight name: fingerprint} of a Hugging Face safetensors directory, in the dtype it was written in (or
+    rounded to `dtype`, "bfloat16" say, as a server loading it in that dtype rounds it), the output layer
+    included where it is the embedding (tie_word_embeddings: the file holds it once)."""
     from safetensors import safe_open
 
     fingerprints = {}
     for file in sorted(Path(directory).glob("*.safetensors")):
         with safe_open(file, framework="pt") as weights:
             for name in weights.keys():
-                fingerprints[name] = of_tensor(weights.get_tensor(name))
+                tensor = weights.get_tensor(name)
+                if dtype and tensor.is_floating_point():
+                    tensor = tensor.to(getattr(torch, dtype))
+                fingerprints[name] = of_tensor(tensor)
     config = json.loads((Path(directory) / "config.json").read_text())
     tied = config.get("tie_word_embeddings") or config.get("text_config", {}).get("tie_word_embeddings")
     if tied and "lm_head.weight" not in fingerprints and "model.embed_tokens.weight" in fingerprints:

@@ -81,9 +81,11 @@ class Server:
     """Where the server's stdout and stderr go."""
 
     def stop(self, timeout: float = 15.0) -> None:
-        """SIGTERM, then SIGKILL if it has not exited after `timeout` seconds."""
+        """SIGTERM, then SIGKILL if it has not exited after `timeout` seconds. A server that froze (SIGSTOP)
+        is continued, so that it ends at once rather than after `timeout`."""
         if self.process.poll() is None:
             self.process.terminate()
+            self.process.send_signal(signal.SIGCONT)
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:

@@ -137,6 +137,35 @@ def check_fingerprint(http: httpx.Client, url: str, directory: Path, written: di
         )
 
 
+def check_serves(url: str, directory: Path, api_key: str | None) -> str:
+    """What the server at `url` was found to compute with, against the Hugging Face directory `directory`
+    (eval.py's -m), in words; a one-sentence UserError naming the first weight that differs. An endpoint that
+    cannot show its weights (not plainrl's builtin engine or vLLM with lib.vllm.ServedWeights), or a
+    directory without safetensors, is not checked, and the words say why."""
+    root, directory = root_url(url), Path(directory)
+    if not directory.is_dir():
+        return f"not checked: {directory} is no local directory (a hub id, or a name the server answers to)"
+    if not (directory / "config.json").is_file() or not any(directory.glob("*.safetensors")):
+        return f"not checked: {directory} holds no Hugging Face weights"
+    body = {"method": "weight_fingerprint", "kwargs": {}}
+    try:
+        with httpx.Client(headers=headers(api_key), verify=ssl_context()) as http:
+            served = post(http, url, "/collective_rpc", json=body)["results"][0]
+    except (ValueError, LookupError, TypeError) as error:
+        return f"not checked: {root} does not show the weights it computes with ({str(error)[:200]})"
+    if "unsupported" in served:  # tensor-parallel vLLM engines (docs/server.md)
+        return f"not checked: {served['unsupported']}"
+    written = fingerprint.of_directory(directory, served["dtype"])
+    if difference := fingerprint.first_difference(written, served["weights"]):
+        raise UserError(
+            f"the inference server {root} does not compute with the weights in {directory} (-m): its first "
+            f"differing weight is {difference}; another run may have loaded its own weights since it started: "
+            "restart the server on -m, evaluate without -b (eval.py then starts a server on -m), or pass "
+            "--reload-weights to load -m into it"
+        )
+    return f"the weights in {directory}: every weight's fingerprint, in {served['dtype']}"
+
+
 def reload_weights(
     urls: list[str],
     directory: Path,

@@ -9,7 +9,13 @@ builtin server (scripts/serve.py) on the model and stops it afterwards. An episo
 error, harness failure, an exception in a reward) is counted as an error with its cause, scores 0 in
 the averages, and never stops the run; summary.json says how many failed (`error_rate`, `status`).
 When every episode fails, or a -b endpoint does not answer at all, the run ends with one sentence and
-exit code 2 (summary.json, when written, has `"status": "failed"` and `"avg_reward": null`).
+exit code 2 (summary.json, when written, has `"status": "failed"` and `"avg_reward": null`); so does a
+server that dies or freezes mid-run (its /health is checked every 5 s, as in rl.py's evaluations). A -b
+server answers to the name it was started with, whatever it loaded since: with -m a local directory, the
+weights it computes with are compared with -m's first (their fingerprints, lib/reload.py check_serves),
+and a difference stops the run in one sentence before any episode (--reload-weights loads -m into the
+server instead); summary.json's `served_weights` says what was compared, or why it could not be (a
+hosted API, a hub id).
 
 Usage:
     python scripts/eval.py reverse_text -m outputs/models/tiny -n 20 -r 3               # CPU, own server
@@ -53,6 +59,10 @@ class Config:
     """OpenAI-compatible base URL such as http://localhost:8000/v1; None starts a builtin server."""
     api_key: str | None = None
     """API key for the endpoint (default: $PLAINRL_API_KEY, else, for a -b endpoint, $OPENAI_API_KEY)."""
+    reload_weights: bool = False
+    """With -b and -m a local weights directory: when the server computes with other weights, load -m into
+    it first (as rl.py reloads; the builtin engine needs -m under its --weights-root). Its other clients
+    get -m's weights too."""
     engine: Literal["auto", "torch", "vllm"] = "auto"
     """Engine of the server started when no -b is given."""
     num_examples: Annotated[int, tyro.conf.arg(aliases=("-n",))] = 20
@@ -85,6 +95,8 @@ class Config:
             raise UserError("max_concurrent must be at least 1.")
         if self.base_url is not None:
             check_base_url(self.base_url, "base_url")
+        elif self.reload_weights:
+            raise UserError("reload_weights is for a -b server: a server eval.py starts serves -m already.")
         json_object(self.env_args, "env_args")
 
 
@@ -96,12 +108,14 @@ def main(cfg: Config) -> dict:
     from rich.text import Text
 
     from lib.config import to_dict
-    from lib.endpoint import PauseWatch, unless_paused
+    from lib.endpoint import PauseWatch, is_healthy, unless_paused
     from lib.envs import EnvConfig, episode_reward, key_in_environment, load_env, load_tasks, model_context
+    from lib.evaluation import while_healthy
     from lib.inference import running_server
     from lib.log import wandb_eval
     from lib.model import check_model_name
     from lib.provenance import write_provenance
+    from lib.reload import check_serves, reload_weights
     from lib.tasks import check_env_ids
 
     console = Console()
@@ -123,8 +137,18 @@ def main(cfg: Config) -> dict:
     tasks = list(load_tasks(vf_env, env).taskset)  # bounded: finite, or cut to -n
     if not tasks:
         fail(f"environment {cfg.env} gave no tasks.")
-    if cfg.base_url is not None:  # else every episode would fail on it, one by one
-        check_reachable(cfg.base_url, api_key)
+    if cfg.base_url is not None:
+        check_reachable(cfg.base_url, api_key)  # else every episode would fail on it, one by one
+        # A server answers to the name it was started with, whatever it loaded since (an attached rl.py
+        # run loads its own weights): what it computes with must be -m, or no score is -m's.
+        try:
+            served = check_serves(cfg.base_url, Path(cfg.model.name), api_key)
+        except UserError:
+            if not cfg.reload_weights:
+                raise
+            directory = Path(cfg.model.name)
+            reload_weights([cfg.base_url], directory, api_key, label=directory.resolve().name)
+            served = f"{check_serves(cfg.base_url, directory, api_key)} (loaded by --reload-weights)"
     # The run directory only once the input is known good: a refused run leaves nothing behind.
     name = cfg.name or f"{cfg.env}-{Path(cfg.model.name).name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = cfg.output_dir / name
@@ -146,9 +170,11 @@ def main(cfg: Config) -> dict:
                 base_url, command = server.url, server.process.args
             except RuntimeError as error:
                 fail(str(error))
+            served = check_serves(base_url, Path(cfg.model.name), api_key)
+        print(f"served weights: {served}", flush=True)
         stack.enter_context(key_in_environment(api_key))
         ctx = model_context(base_url, cfg.model.name, cfg.sampling)
-        write_provenance(run_dir, [{"url": base_url, "command": command}], api_key)
+        write_provenance(run_dir, [{"url": base_url, "command": command, "weights": served}], api_key)
 
         # ------------------------------------------------------------ rollouts
         total = len(tasks) * cfg.rollouts_per_example
@@ -168,8 +194,14 @@ def main(cfg: Config) -> dict:
                 rollouts = run_all(
                     vf_env, tasks, ctx, cfg.rollouts_per_example, cfg.max_concurrent, advance, out
                 )
-                # A server someone left paused would hold every request forever: stop with one sentence.
-                records = asyncio.run(unless_paused(rollouts, PauseWatch([base_url], api_key)))
+                # The client has no read timeout: a server that freezes, dies or is left paused would hold
+                # every request forever. Its /health is watched as in rl.py's evaluations (one sentence ends
+                # the run); an endpoint without /health (a hosted API) only for a pause.
+                if is_healthy(base_url, api_key):
+                    rollouts = while_healthy(rollouts, base_url, api_key)
+                else:
+                    rollouts = unless_paused(rollouts, PauseWatch([base_url], api_key))
+                records = asyncio.run(rollouts)
             except KeyboardInterrupt:
                 done = len(results.read_text().splitlines())
                 console.print(f"{done} of {total} rollouts (the groups that finished) are in {results}")
@@ -179,7 +211,7 @@ def main(cfg: Config) -> dict:
     # ---------------------------------------------------------------- results
     results.write_text("".join(json.dumps(line) + "\n" for line in records))
     summary = {"env": cfg.env, "model": cfg.model.name, **summarize(records, cfg.rollouts_per_example)}
-    summary["seconds"] = seconds
+    summary["seconds"], summary["served_weights"] = seconds, served
     # No episode was scored: a 0.0 would read as a model that scores nothing.
     if summary["status"] == "failed":
         summary.update(avg_reward=None, std_reward=None, perfect_rate=None, pass_at_k={})

@@ -1,5 +1,6 @@
 """scripts/eval.py: against a server that always answers right, with failing environments, and against the builtin server."""
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -14,6 +15,9 @@ from lib.inference import free_port
 FIXTURES = Path(__file__).parent / "fixtures"
 SYNTHETIC = '{"source": "synthetic"}'
 THREE_TURNS = '{"source": "synthetic", "min_turns": 3, "max_turns": 3}'
+# How long eval.py may take to notice a frozen server: up to 5 s to the next health check, its 5 s timeout
+# and stopping a server of its own, twice that on a loaded 2-core machine; one that waits forever never ends.
+NOTICE_S = 40.0
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +182,8 @@ def test_eval_rejects_bad_input_in_one_sentence(eval_script):
         parse(eval_script.Config, ["reverse_text", "-b", "http://localhost:8000", "-n", "2"])
     with pytest.raises(SystemExit):
         parse(eval_script.Config, ["reverse_text", "--env-args", "[1, 2]"])
+    with pytest.raises(SystemExit):  # a server of its own serves -m already
+        parse(eval_script.Config, ["reverse_text", "--reload-weights"])
 
 
 def test_eval_against_the_builtin_server_on_the_tiny_model(eval_script, tiny_dir, tmp_path, capsys):
@@ -262,3 +268,179 @@ def test_held_out_tasks_of_an_upstream_taskset_are_kept_apart_by_idx(monkeypatch
     repeated = [SimpleNamespace(data=SimpleNamespace(id=None, idx=i % 3)) for i in range(6)]
     with pytest.raises(ValueError, match=r"task ids are not unique.*\['0', '1', '2'\]"):
         split_held_out(repeated, 3)
+
+
+@pytest.mark.parametrize("key", [None, "wrong"])
+def test_eval_with_a_wrong_or_missing_api_key_stops_before_any_episode(
+    eval_script, key, tmp_path, capsys, monkeypatch
+):
+    """A server that refuses the key would fail every episode; eval.py says so first and makes no run dir."""
+    from lib.server.routes import RequireKey
+
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    if key is None:
+        monkeypatch.delenv("PLAINRL_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("PLAINRL_API_KEY", key)
+    app = oracle_app(sft_conversations(EnvConfig(id="reverse_text", args=SYNTHETIC, num_examples=2)))
+    app.add_middleware(RequireKey, expected=b"Bearer right")
+    with serve(app) as url:
+        argv = ["reverse_text", "-m", "oracle", "-b", url, "-n", "2", "--env-args", SYNTHETIC]
+        config = parse(eval_script.Config, [*argv, "--output-dir", str(tmp_path)])
+        with pytest.raises(SystemExit) as exit_info:
+            run_main(eval_script.main, config)
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    sentence = (
+        "the API key is wrong or missing (set $PLAINRL_API_KEY to the server's), or it is no inference server"
+    )
+    assert err.strip().splitlines()[-1] == f"error: {url}/models answered 401: {sentence}.", err
+    assert "run dir" not in out and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attached", [True, False], ids=["attached", "own-server"])
+def test_eval_ends_in_one_sentence_when_its_server_freezes(
+    attached, eval_script, tiny_dir, tmp_path, capsys, caplog, monkeypatch
+):
+    """A server stopped (SIGSTOP) mid-eval answers nothing: the /health watch rl.py's evaluations use ends
+    eval.py too, with `-b` or with a server of its own, instead of waiting forever."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import lib.inference
+
+    monkeypatch.delenv("PLAINRL_API_KEY", raising=False)
+    servers, start = [], lib.inference.running_server
+
+    @contextlib.contextmanager
+    def recorded(*args, **kwargs):
+        with start(*args, **kwargs) as server:
+            servers.append(server)
+            yield server
+
+    monkeypatch.setattr(lib.inference, "running_server", recorded)
+    argv = ["reverse_text", "-m", str(tiny_dir), "-n", "1000", "-r", "1", "--max-concurrent", "4"]
+    argv += ["--max-tokens", "16", "--env-args", SYNTHETIC, "--output-dir", str(tmp_path), "--name", "run"]
+    ended = {}
+
+    def evaluate():
+        try:
+            run_main(eval_script.main, parse(eval_script.Config, argv))
+        except SystemExit as exit_info:
+            ended["code"] = exit_info.code
+
+    with contextlib.ExitStack() as stack:
+        if attached:
+            attached_server = stack.enter_context(
+                recorded(str(tiny_dir), engine="torch", log_path=tmp_path / "b.log")
+            )
+            argv += ["-b", attached_server.url]
+        thread = threading.Thread(target=evaluate, daemon=True)  # it would wait forever on the frozen server
+        thread.start()
+        results, deadline = tmp_path / "run" / "results.jsonl", time.monotonic() + 300
+        while not (results.is_file() and results.read_text()):  # a group has finished: mid-run
+            assert thread.is_alive() and time.monotonic() < deadline, ended
+            time.sleep(0.05)
+        server = servers[0]
+        os.killpg(server.process.pid, signal.SIGSTOP)
+        stack.callback(
+            lambda: server.process.poll() is None and os.killpg(server.process.pid, signal.SIGCONT)
+        )
+        frozen = time.monotonic()
+        thread.join(NOTICE_S)
+        seconds = time.monotonic() - frozen
+        assert not thread.is_alive(), (
+            f"eval.py still waited on a frozen server {NOTICE_S:.0f} s after SIGSTOP"
+        )
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    root = server.url.removesuffix("/v1")
+    assert (
+        ended["code"] == 2
+        and last == f"error: the inference server {root} did not answer /health within 5 s (is it frozen?)."
+    ), last
+    # No traceback of the episodes cut short (asyncio logs one per episode left open at its shutdown).
+    assert not [record.getMessage() for record in caplog.records if record.name == "asyncio"]
+    with capsys.disabled():
+        print(f"\neval.py ended {seconds:.1f} s after its server froze: {last}")
+
+
+def changed_copy(model: Path, to: Path) -> Path:
+    """A copy of the model directory `model` with one weight moved, as a training step would."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, to)
+    [file] = to.glob("*.safetensors")
+    weights = load_file(file)
+    weights["model.norm.weight"] += 0.25
+    save_file(weights, file, metadata={"format": "pt"})
+    return to
+
+
+@pytest.mark.slow
+def test_eval_stops_when_the_server_computes_with_other_weights_than_m(
+    eval_script, tiny_dir, tmp_path, capsys
+):
+    """A server that another run loaded its weights into still answers to the name it was started with:
+    eval.py compares the weights it computes with against -m's, records what it found, and stops before any
+    episode when they differ; with --reload-weights it loads -m into the server instead."""
+    import shutil
+
+    from lib.inference import running_server
+    from lib.reload import reload_weights
+
+    started, trained = tmp_path / "sft" / "step_40", changed_copy(tiny_dir, tmp_path / "rl" / "step_3")
+    shutil.copytree(tiny_dir, started)
+    log = tmp_path / "server.log"
+    with running_server(str(started), engine="torch", weights_root=tmp_path, log_path=log) as server:
+        reload_weights([server.url], trained, None, "step_3")  # what an attached rl.py run does
+        argv = f"reverse_text -m {started} -b {server.url} -n 1 -r 1 --max-tokens 4".split()
+        config = parse(
+            eval_script.Config, [*argv, "--env-args", SYNTHETIC, "--output-dir", str(tmp_path / "other")]
+        )
+        with pytest.raises(SystemExit) as exit_info:
+            run_main(eval_script.main, config)
+        assert exit_info.value.code == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        root = server.url.removesuffix("/v1")
+        assert last.startswith(
+            f"error: the inference server {root} does not compute with the weights in {started} (-m): its "
+            "first differing weight is model.norm.weight (sum "
+        ), last
+        assert not (tmp_path / "other").exists()  # stopped before its run directory
+
+        argv += ["--reload-weights", "--env-args", SYNTHETIC]
+        summary, _, _ = evaluate(eval_script, argv, tmp_path / "reloaded", capsys)
+    checked = f"the weights in {started}: every weight's fingerprint, in float32 (loaded by --reload-weights)"
+    assert summary["served_weights"] == checked and summary["num_errors"] == 0
+    provenance = json.loads((tmp_path / "reloaded" / "run" / "provenance.json").read_text())
+    assert provenance["servers"][0]["weights"] == checked
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_eval_checks_what_a_vllm_server_computes_with(
+    eval_script, vllm_server, trained_tiny, tmp_path, capsys
+):
+    """vLLM shows the weights it computes with through plainrl's worker extension (lib/vllm.py), as the
+    builtin engine does: eval.py records them, or stops when they are not -m's."""
+    from lib.reload import check_serves
+
+    served = check_serves(vllm_server.url, trained_tiny, None)
+    assert served == f"the weights in {trained_tiny}: every weight's fingerprint, in float32"
+    moved = changed_copy(trained_tiny, tmp_path / "moved")
+    argv = f"reverse_text -m {moved} -b {vllm_server.url} -n 1 -r 1 --env-args".split() + [SYNTHETIC]
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(eval_script.main, parse(eval_script.Config, [*argv, "--output-dir", str(tmp_path / "out")]))
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    root = vllm_server.url.removesuffix("/v1")
+    assert last.startswith(
+        f"error: the inference server {root} does not compute with the weights in {moved} (-m): its first "
+        "differing weight is model.norm.weight (sum "
+    ), last
+    assert not (tmp_path / "out").exists()
