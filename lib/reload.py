@@ -104,9 +104,10 @@ def refresh_tied_output_layer(http: httpx.Client, url: str) -> None:
         ) from None
 
 
-def check_fingerprint(http: httpx.Client, url: str, directory: Path, written: dict[str, list[float]]) -> None:
+def check_fingerprint(http: httpx.Client, url: str, source: str, written: dict[str, list[float]]) -> None:
     """Asks the server for the fingerprint of what its engines compute with (lib/fingerprint.py) and stops the
-    run in one sentence naming the first weight that is not the one written in `directory`.
+    run in one sentence naming the first weight that is not the one written (`source`: where the server took
+    the weights from, in words: "it loaded from DIR", "sent to it in memory for step_N").
 
     Each engine compares itself with `written` (with data parallel, vLLM's /collective_rpc answers with the
     first engine's result but fails when any engine fails), and the answer is compared here too."""
@@ -118,7 +119,7 @@ def check_fingerprint(http: httpx.Client, url: str, directory: Path, written: di
         # The engine's sentence, within the server's error answer (vLLM wraps it in quotes, in JSON).
         if found := re.search(r"(engine \d+) computes with other weights: (.*?\))", str(error)):
             raise UserError(
-                f"the inference server {root} does not compute with the weights it loaded from {directory}: "
+                f"the inference server {root} does not compute with the weights {source}: "
                 f"in its {found[1]} the first differing weight is {found[2]}"
             ) from None
         if "weight_fingerprint" not in str(error):
@@ -132,7 +133,7 @@ def check_fingerprint(http: httpx.Client, url: str, directory: Path, written: di
         return
     if difference := fingerprint.first_difference(written, served["weights"]):
         raise UserError(
-            f"the inference server {root} does not compute with the weights it loaded from {directory}: "
+            f"the inference server {root} does not compute with the weights {source}: "
             f"in its engine {served['engine']} the first differing weight is {difference}"
         )
 
@@ -183,7 +184,7 @@ def reload_weights(
                 if tied:
                     refresh_tied_output_layer(http, url)
                 if written is not None:
-                    check_fingerprint(http, url, directory, written)
+                    check_fingerprint(http, url, f"it loaded from {directory}", written)
                 # vLLM 0.32 reports the label in every /inference/v1/generate choice as `weight_versions`,
                 # one span per label; the builtin engine does the same.
                 post(http, url, "/update_weight_version", json={"new_version": label})
