@@ -138,6 +138,31 @@ def check_fingerprint(http: httpx.Client, url: str, source: str, written: dict[s
         )
 
 
+def after_load(
+    http: httpx.Client, url: str, source: str, written: dict | None, label: str, tied: bool
+) -> None:
+    """What follows new weights into a paused server (from `source`, in words: "it loaded from DIR"): a tied
+    output layer refreshed, the fingerprint checked against `written` (None: not checked), the label set,
+    the KV the old weights computed dropped."""
+    if tied:
+        refresh_tied_output_layer(http, url)
+    if written is not None:
+        check_fingerprint(http, url, source, written)
+    # vLLM 0.32 reports the label in every /inference/v1/generate choice as `weight_versions`, one span per
+    # label; the builtin engine does the same.
+    post(http, url, "/update_weight_version", json={"new_version": label})
+    # KV that old weights computed must not survive (vLLM keys an adapter's prefix cache by its name, which
+    # stays the same from step to step). vLLM keeps prefix-cached blocks that held requests still use, so a
+    # plain /reset_prefix_cache answers success false and drops nothing; reset_running_requests=true preempts
+    # the held requests, which recompute their prompt and tokens so far under the new weights.
+    reset = post(http, url, "/reset_prefix_cache?reset_running_requests=true")
+    if not reset.get("success"):
+        raise UserError(
+            f"the inference server {root_url(url)} did not drop its cached KV after the weights {source} "
+            f"(/reset_prefix_cache answered {reset}): requests would reuse KV of the old weights"
+        )
+
+
 def reload_weights(
     urls: list[str],
     directory: Path,
@@ -181,25 +206,7 @@ def reload_weights(
                         raise UserError(
                             f"{error}; the server could not load {directory}: {likely_cause(error, directory)}"
                         ) from None
-                if tied:
-                    refresh_tied_output_layer(http, url)
-                if written is not None:
-                    check_fingerprint(http, url, f"it loaded from {directory}", written)
-                # vLLM 0.32 reports the label in every /inference/v1/generate choice as `weight_versions`,
-                # one span per label; the builtin engine does the same.
-                post(http, url, "/update_weight_version", json={"new_version": label})
-                # KV that old weights computed must not survive (vLLM keys an adapter's prefix cache by its
-                # name, which stays the same from step to step). vLLM keeps prefix-cached blocks that held
-                # requests still use, so a plain /reset_prefix_cache answers success false and drops
-                # nothing; reset_running_requests=true preempts the held requests, which recompute their
-                # prompt and tokens so far under the new weights.
-                reset = post(http, url, "/reset_prefix_cache?reset_running_requests=true")
-                if not reset.get("success"):
-                    raise UserError(
-                        f"the inference server {root_url(url)} did not drop its cached KV after loading "
-                        f"{directory} (/reset_prefix_cache answered {reset}): requests would reuse KV of the "
-                        "old weights"
-                    )
+                after_load(http, url, f"it loaded from {directory}", written, label, tied)
             finally:
                 resume(url, api_key)
 

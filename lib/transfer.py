@@ -82,7 +82,7 @@ def concurrently(calls: list) -> None:
         threads.append(threading.Thread(target=run, args=(call,), daemon=True))
         threads[-1].start()
     while any(thread.is_alive() for thread in threads) and not errors:
-        threads[0].join(0.05) if threads[0].is_alive() else time.sleep(0.05)
+        time.sleep(0.05)
     if errors:
         raise errors[0]
 
@@ -220,7 +220,7 @@ class Sender:
 
 def update_in_memory(sender: Sender, tensors: dict, tied: bool, label: str, pause_mode: str) -> None:
     """Makes every server serve `tensors` under `label`, as reload.reload_weights does for a directory: pause,
-    send, the tied output layer refreshed, the fingerprint checked, the label set, the KV dropped, resume."""
+    send, then reload.after_load (tied output layer, fingerprint, label, KV) and resume, whatever failed."""
     written, source = written_fingerprints(tensors, tied), f"sent to it in memory for {label}"
     with httpx.Client(headers=headers(sender.api_key), verify=ssl_context()) as http:
         try:
@@ -228,15 +228,7 @@ def update_in_memory(sender: Sender, tensors: dict, tied: bool, label: str, paus
                 reload.post(http, url, f"/pause?mode={pause_mode}")
             sender.send(tensors)
             for url in sender.urls:
-                if tied:
-                    reload.refresh_tied_output_layer(http, url)
-                reload.check_fingerprint(http, url, source, written)
-                reload.post(http, url, "/update_weight_version", json={"new_version": label})
-                reset = reload.post(http, url, "/reset_prefix_cache?reset_running_requests=true")
-                if not reset.get("success"):
-                    raise UserError(
-                        f"the inference server {root_url(url)} did not drop its cached KV after the weights {source}"
-                    )
+                reload.after_load(http, url, source, written, label, tied)
         finally:
             for url in sender.urls:
                 reload.resume(url, sender.api_key)

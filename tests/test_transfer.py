@@ -30,6 +30,13 @@ def memory_args(model, out, url, *extra) -> list[str]:
     return [*args, "--steps", "2", "--inference.weight-sync", "memory", *extra]
 
 
+def test_a_lora_run_asking_for_memory_sync_is_refused_before_any_work(tiny_dir, tmp_path):
+    args = memory_args(tiny_dir, tmp_path / "run", "http://127.0.0.1:9/v1", "--lora.rank", "8")
+    with pytest.raises(ValueError, match="LoRA runs sync their adapter from the disk"):
+        rl.main(parse(rl.Config, args))
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.fixture(scope="module")
 def elsewhere(tiny_dir, tmp_path_factory):
     """A builtin engine that can load no run directory from the disk (its weights root is a directory of its
@@ -182,6 +189,53 @@ def test_a_trainer_gone_mid_transfer_leaves_the_server_serving_and_ready_for_a_n
     tensors = {name: value.clone() for name, value in weights.items()}
     transfer.update_in_memory(sender, tensors, tied=False, label="again", pause_mode="wait")
     sender.close()
+
+
+@pytest.mark.vllm
+def test_vllm_takes_the_weights_in_memory_through_plainrls_gloo_engine(vllm_server, trained_tiny, tmp_path):
+    """Against real vLLM (its CPU build): the engine registered by plainrl, driven over vLLM's own routes."""
+    from lib import reload
+
+    out = tmp_path / "run"
+    try:
+        result = rl.main(
+            parse(rl.Config, memory_args(trained_tiny, out, vllm_server.url, "--checkpoint-every", "5"))
+        )
+        assert len(result["history"]) == 2
+        for metrics in result["history"]:  # the fingerprint passed, then the probe
+            assert metrics["sync/probe_logprob_difference"] < 1e-3, metrics
+        assert sorted(path.name for path in (out / "weights").iterdir()) == ["step_0", "step_2"]
+    finally:
+        reload.reload_weights([vllm_server.url], trained_tiny, None, "default")  # back for the other tests
+
+
+@pytest.mark.vllm
+def test_vllms_own_nccl_engine_on_the_cpu_build_stops_the_run_naming_the_server(
+    vllm_installed, tiny_dir, tmp_path
+):
+    """vLLM's nccl engine on its CPU build: reported to broadcast nothing and say nothing (vLLM #57022); in
+    vLLM 0.32 over HTTP it fails to join instead (it asks torch for an accelerator). The run stops before
+    training in one sentence naming the server; a join that passed and moved nothing would meet the
+    fingerprint (test_an_update_that_moved_nothing_stops_at_the_fingerprint)."""
+    extra = ["--model.dtype", "float32", "--vllm.cpu-kv-cache-gib", "1", "--max-model-len", "1024"]
+    extra += ["--vllm.weight-transfer-backend", "nccl"]
+    with inference.running_server(
+        str(tiny_dir), engine="vllm", log_path=tmp_path / "vllm.log", extra_args=extra
+    ) as server:
+        args = memory_args(
+            tiny_dir, tmp_path / "run", server.url, "--inference.vllm-transfer-backend", "nccl"
+        )
+        with pytest.raises(ValueError) as stopped:
+            rl.main(parse(rl.Config, [*args, "--optim.lr", "3e-2"]))
+        # The server still serves, and never took a step's weights.
+        assert httpx.get(f"{server.url.removesuffix('/v1')}/health", timeout=10).status_code == 200
+    sentence, root = str(stopped.value), server.url.removesuffix("/v1")
+    assert f"the inference server {root}" in sentence and "\n" not in sentence, sentence
+    assert "Cannot access accelerator device" in sentence and "plainrl_gloo" in sentence, sentence
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any(
+        (tmp_path / "run" / "checkpoints").iterdir()
+    )
+    print(f"\nvLLM's nccl engine on the CPU build: {sentence}")
 
 
 @pytest.mark.vllm
