@@ -81,6 +81,17 @@ def test_memory_sync_needs_no_shared_directory_and_serves_the_trainers_weights(
     assert max(abs(a - b) for a, b in zip(logprobs, logp[len(prompt) - 1 :].tolist())) < 1e-4
 
 
+def test_a_resumed_run_forms_the_group_again_and_goes_on_in_memory(elsewhere, tiny_dir, tmp_path):
+    """The first run leaves the server's group (or dies in it); --resume forms a new one with the same server."""
+    out = tmp_path / "run"
+    rl.main(parse(rl.Config, memory_args(tiny_dir, out, elsewhere.url, "--checkpoint-every", "1")))
+    args = memory_args(tiny_dir, out, elsewhere.url, "--checkpoint-every", "1", "--resume")
+    args[args.index("--steps") + 1] = "3"
+    result = rl.main(parse(rl.Config, args))
+    assert len(result["history"]) == 1 and result["history"][0]["sync/probe_logprob_difference"] < 1e-3
+    assert (out / "checkpoints" / "step_3").is_dir()
+
+
 def midway(monkeypatch, act) -> dict:
     """Calls act() once the trainer has sent the first weight of its second update (step 1's)."""
     sent, broadcast = {"count": 0, "updates": 0}, group.broadcast
