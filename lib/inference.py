@@ -58,6 +58,15 @@ class InferenceConfig:
     """LoRA runs: adapter = each step writes the adapter alone (MBs) and the servers load it at run time
     through /v1/load_lora_adapter, a started server getting --max-lora-rank; merged = the whole model,
     merged, is written and reloaded, for servers run without LoRA."""
+    weight_sync: Literal["auto", "disk", "memory"] = "auto"
+    """How each step's full weights reach the servers: disk = weights/step_N written, every server reloads it
+    (a shared file system across nodes); memory = rank 0 broadcasts them into every server's engines (vLLM's
+    weight-transfer routes, lib/transfer.py; an attached vLLM needs --weight-transfer-config), weights/step_N
+    then written at checkpoints only; both are fingerprinted. auto = disk (docs/server.md has the figures).
+    LoRA adapters always go by disk."""
+    vllm_transfer_backend: str | None = None
+    """memory sync with vLLM: its --weight-transfer-config backend (None = nccl, vLLM's own, on GPUs, and
+    plainrl_gloo, plainrl's engine, on CPUs, where vLLM's nccl does nothing)."""
 
     def __post_init__(self):
         for url in self.urls:
@@ -133,10 +142,21 @@ def serves_kept_sets(engine: str, device: str) -> bool:
     return not (engine == "vllm" and device == "cpu")
 
 
+def transfer_backend(config: InferenceConfig, device: str) -> str:
+    """vLLM's weight-transfer engine for an in-memory sync: vllm_transfer_backend, else nccl on GPUs and
+    plainrl's gloo engine on CPUs (vLLM's CPU build answers nccl's broadcast by doing nothing)."""
+    return config.vllm_transfer_backend or ("nccl" if device.startswith("cuda") else "plainrl_gloo")
+
+
 def check_full_sync(config: InferenceConfig, model: ModelConfig, device: str, adapter: bool) -> None:
     """Refuses, before anything starts, the server rl.py would start that cannot take full weights: vLLM's
     CPU build packs a mixture of experts' weights once, and its in-place reload copies the new ones in
     unpacked (measured: greedy tokens off transformers' from the first reload; docs/server.md)."""
+    if config.weight_sync == "memory" and adapter:
+        raise UserError(
+            "inference.weight_sync memory sends full weights: LoRA runs sync their adapter from the disk "
+            "(pass --inference.lora-sync merged to send the merged model, or leave weight_sync at auto)."
+        )
     if config.urls or config.engine != "vllm" or device != "cpu" or adapter:
         return
     from transformers import AutoConfig
@@ -271,6 +291,12 @@ def start_or_attach(
                 *("--max-model-len", str(min(seq_len, model_limit))),
                 *("--max-lora-rank", str(lora_rank)),
                 *(["--return-sampling-mask"] if return_sampling_mask else []),
+                # vLLM's weight-transfer engine for an in-memory sync (lib/transfer.py).
+                *(
+                    ["--vllm.weight-transfer-backend", transfer_backend(config, device)]
+                    if config.weight_sync == "memory"
+                    else []
+                ),
             ],
             threads=threads,
         )

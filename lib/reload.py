@@ -104,9 +104,10 @@ def refresh_tied_output_layer(http: httpx.Client, url: str) -> None:
         ) from None
 
 
-def check_fingerprint(http: httpx.Client, url: str, directory: Path, written: dict[str, list[float]]) -> None:
+def check_fingerprint(http: httpx.Client, url: str, source: str, written: dict[str, list[float]]) -> None:
     """Asks the server for the fingerprint of what its engines compute with (lib/fingerprint.py) and stops the
-    run in one sentence naming the first weight that is not the one written in `directory`.
+    run in one sentence naming the first weight that is not the one written (`source`: where the server took
+    the weights from, in words: "it loaded from DIR", "sent to it in memory for step_N").
 
     Each engine compares itself with `written` (with data parallel, vLLM's /collective_rpc answers with the
     first engine's result but fails when any engine fails), and the answer is compared here too."""
@@ -118,7 +119,7 @@ def check_fingerprint(http: httpx.Client, url: str, directory: Path, written: di
         # The engine's sentence, within the server's error answer (vLLM wraps it in quotes, in JSON).
         if found := re.search(r"(engine \d+) computes with other weights: (.*?\))", str(error)):
             raise UserError(
-                f"the inference server {root} does not compute with the weights it loaded from {directory}: "
+                f"the inference server {root} does not compute with the weights {source}: "
                 f"in its {found[1]} the first differing weight is {found[2]}"
             ) from None
         if "weight_fingerprint" not in str(error):
@@ -132,7 +133,7 @@ def check_fingerprint(http: httpx.Client, url: str, directory: Path, written: di
         return
     if difference := fingerprint.first_difference(written, served["weights"]):
         raise UserError(
-            f"the inference server {root} does not compute with the weights it loaded from {directory}: "
+            f"the inference server {root} does not compute with the weights {source}: "
             f"in its engine {served['engine']} the first differing weight is {difference}"
         )
 
@@ -164,6 +165,31 @@ def check_serves(url: str, directory: Path, api_key: str | None) -> str:
             "--reload-weights to load -m into it"
         )
     return f"the weights in {directory}: every weight's fingerprint, in {served['dtype']}"
+
+
+def after_load(
+    http: httpx.Client, url: str, source: str, written: dict | None, label: str, tied: bool
+) -> None:
+    """What follows new weights into a paused server (from `source`, in words: "it loaded from DIR"): a tied
+    output layer refreshed, the fingerprint checked against `written` (None: not checked), the label set,
+    the KV the old weights computed dropped."""
+    if tied:
+        refresh_tied_output_layer(http, url)
+    if written is not None:
+        check_fingerprint(http, url, source, written)
+    # vLLM 0.32 reports the label in every /inference/v1/generate choice as `weight_versions`, one span per
+    # label; the builtin engine does the same.
+    post(http, url, "/update_weight_version", json={"new_version": label})
+    # KV that old weights computed must not survive (vLLM keys an adapter's prefix cache by its name, which
+    # stays the same from step to step). vLLM keeps prefix-cached blocks that held requests still use, so a
+    # plain /reset_prefix_cache answers success false and drops nothing; reset_running_requests=true preempts
+    # the held requests, which recompute their prompt and tokens so far under the new weights.
+    reset = post(http, url, "/reset_prefix_cache?reset_running_requests=true")
+    if not reset.get("success"):
+        raise UserError(
+            f"the inference server {root_url(url)} did not drop its cached KV after the weights {source} "
+            f"(/reset_prefix_cache answered {reset}): requests would reuse KV of the old weights"
+        )
 
 
 def reload_weights(
@@ -209,25 +235,7 @@ def reload_weights(
                         raise UserError(
                             f"{error}; the server could not load {directory}: {likely_cause(error, directory)}"
                         ) from None
-                if tied:
-                    refresh_tied_output_layer(http, url)
-                if written is not None:
-                    check_fingerprint(http, url, directory, written)
-                # vLLM 0.32 reports the label in every /inference/v1/generate choice as `weight_versions`,
-                # one span per label; the builtin engine does the same.
-                post(http, url, "/update_weight_version", json={"new_version": label})
-                # KV that old weights computed must not survive (vLLM keys an adapter's prefix cache by its
-                # name, which stays the same from step to step). vLLM keeps prefix-cached blocks that held
-                # requests still use, so a plain /reset_prefix_cache answers success false and drops
-                # nothing; reset_running_requests=true preempts the held requests, which recompute their
-                # prompt and tokens so far under the new weights.
-                reset = post(http, url, "/reset_prefix_cache?reset_running_requests=true")
-                if not reset.get("success"):
-                    raise UserError(
-                        f"the inference server {root_url(url)} did not drop its cached KV after loading "
-                        f"{directory} (/reset_prefix_cache answered {reset}): requests would reuse KV of the "
-                        "old weights"
-                    )
+                after_load(http, url, f"it loaded from {directory}", written, label, tied)
             finally:
                 resume(url, api_key)
 

@@ -1,5 +1,6 @@
-"""Weight sync: each step's weights written, loaded by every server (lib/reload.py) and checked with the
-probe (lib/probing.py), on-policy before the next rollouts or beside the next step's training."""
+"""Weight sync: each step's weights written and loaded by every server (lib/reload.py), or broadcast into their
+memory (lib/transfer.py), then checked with the probe (lib/probing.py), on-policy before the next rollouts or
+beside the next step's training."""
 
 import concurrent.futures
 import dataclasses
@@ -7,7 +8,7 @@ import math
 import time
 from pathlib import Path
 
-from lib import dist, probing, reload
+from lib import dist, probing, reload, transfer
 from lib.weights import save_weights
 
 
@@ -34,11 +35,18 @@ class Servers:
     """The run's sampling.top_p."""
     kept_set: str = "none"
     """How the trainer knows each sampled token's kept set: served, recomputed, or none (no top-k/top-p)."""
+    sender: transfer.Sender | None = None
+    """In-memory sync (inference.weight_sync memory): the group with the servers; None = from the disk."""
 
-    def reload(self, path: Path, label: str) -> None:
-        """Every server loads `path` (reload_weights) under `label`, paused by this run's pause_mode."""
+    def reload(self, weights: Path | dict, label: str) -> None:
+        """Every server takes `weights` under `label`, paused by this run's pause_mode: a directory it loads
+        (reload_weights), or {name: tensor} broadcast into its memory (transfer.update_in_memory)."""
+        if isinstance(weights, dict):
+            tied = "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights
+            transfer.update_in_memory(self.sender, weights, tied, label, self.pause_mode)
+            return
         reload.reload_weights(
-            self.urls, path, self.api_key, label, pause_mode=self.pause_mode, adapter=self.adapter
+            self.urls, weights, self.api_key, label, pause_mode=self.pause_mode, adapter=self.adapter
         )
 
 
@@ -54,20 +62,26 @@ def publish(
     keep_weights: int,
     merged: bool,
     when: str,
+    memory: bool = False,
+    write: bool = True,
 ) -> tuple[float, float]:
     """Writes weights/step_N (lib/weights.py), has every server load it and checks that each serves it:
     its label, and the probe scored by the trainer too (every rank takes part: under FSDP the forward is
     collective). Returns the seconds it took and the largest mean |logprob difference| from the trainer.
 
     A server that cannot take the weights, or serves something else, stops the run with one sentence
-    naming it; checkpoints stay as they were, so `--resume` continues once the server is fixed."""
+    naming it; checkpoints stay as they were, so `--resume` continues once the server is fixed. With
+    `memory` the weights are broadcast instead, and weights/step_N written only where `write`."""
     began = time.perf_counter()
     adapter = servers.adapter is not None
-    path = save_weights(run_dir, step, model, tokenizer, save_dtype, keep_weights, adapter, merged)
+    weights = transfer.step_tensors(model, save_dtype) if memory else None
+    if write or not memory:
+        path = save_weights(run_dir, step, model, tokenizer, save_dtype, keep_weights, adapter, merged)
+        weights = path if weights is None else weights
     label, probes = f"step_{step}", []
     prompt = tokenizer.encode(probing.PROBE_TEXT, add_special_tokens=False)
     if servers.urls:
-        servers.reload(path, label)
+        servers.reload(weights, label)
         probes = [
             probing.probe(url, name, prompt, servers.api_key, servers.top_k, servers.top_p)
             for url, name in zip(servers.urls, servers.names)
@@ -101,13 +115,14 @@ class Reloader:
         self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weight-sync")
         self.pending: concurrent.futures.Future | None = None
 
-    def start(self, step: int, path: Path) -> None:
+    def start(self, step: int, weights: Path | dict) -> None:
+        """Loads `weights` (a directory, or {name: tensor} sent in memory) beside the trainer."""
         assert self.pending is None, "one sync at a time: wait() for the previous one first"
-        self.pending = self.executor.submit(self._reload, step, path)
+        self.pending = self.executor.submit(self._reload, step, weights)
 
-    def _reload(self, step: int, path: Path) -> float:
+    def _reload(self, step: int, weights: Path | dict) -> float:
         began, label, servers = time.perf_counter(), f"step_{step}", self.servers
-        servers.reload(path, label)
+        servers.reload(weights, label)
         for url, name in zip(servers.urls, servers.names):
             answer = probing.probe(url, name, self.prompt, servers.api_key, servers.top_k, servers.top_p)
             probing.check_label(answer, label, f"after step {step}")
@@ -152,6 +167,8 @@ class WeightSync:
             options["autocast"],
         )
         self.keep_weights, self.save_merged = options["keep_weights"], options["save_merged"]
+        # In memory (inference.weight_sync), weights/step_N is written every `write_every` steps and at the last.
+        self.memory, self.write_every = options.get("memory", False), options.get("write_every", 1)
         self.on_loaded, self.reloader = None, None
 
     def attach(self, on_loaded) -> None:
@@ -164,12 +181,17 @@ class WeightSync:
         """Whether step N's weights are also written merged (--save-merged, or the last step)."""
         return self.save_merged or step == self.last_step
 
+    def written(self, step: int) -> bool:
+        """Whether step N's weights/step_N is written: every step from the disk, else at the checkpoints'
+        steps and the last."""
+        return not self.memory or step % self.write_every == 0 or step == self.last_step
+
     def publish(self, step: int, when: str) -> tuple[float, float]:
         """publish() of step N's weights: (seconds, probe difference)."""
         return publish(
             self.run_dir, step, self.model, tokenizer=self.tokenizer, save_dtype=self.save_dtype,
             autocast=self.autocast, servers=self.servers, keep_weights=self.keep_weights,
-            merged=self.merged(step), when=when,
+            merged=self.merged(step), when=when, memory=self.memory, write=self.written(step),
         )  # fmt: skip
 
     def after_step(self, step: int) -> dict[str, float]:
@@ -186,12 +208,15 @@ class WeightSync:
                 "sync/probe_logprob_difference": difference,
             }
         waited, seconds = self.reloader.wait() if self.reloader else (0.0, 0.0)
-        path = save_weights(
-            self.run_dir, step, self.model, self.tokenizer, self.save_dtype, self.keep_weights,
-            adapter=self.servers.adapter is not None, merged=self.merged(step),
-        )  # fmt: skip
+        weights = transfer.step_tensors(self.model, self.save_dtype) if self.memory else None
+        if self.written(step):
+            path = save_weights(
+                self.run_dir, step, self.model, self.tokenizer, self.save_dtype, self.keep_weights,
+                adapter=self.servers.adapter is not None, merged=self.merged(step),
+            )  # fmt: skip
+            weights = path if weights is None else weights
         if self.reloader:
-            self.reloader.start(step, path)
+            self.reloader.start(step, weights)
         # The logprob probe runs at the start only (Reloader), so no figure for it here, rather than a 0 that
         # reads as perfect agreement; seconds is the last finished reload's.
         return {"time/sync_weights": seconds, "time/wait_sync": waited}
@@ -205,6 +230,8 @@ class WeightSync:
             self.reloader.wait()
 
     def close(self) -> None:
-        """Lets a reload in flight finish (a server must not stay paused)."""
+        """Lets a reload in flight finish (a server must not stay paused), then the servers leave the group."""
         if self.reloader:
             self.reloader.close()
+        if self.servers.sender is not None:
+            self.servers.sender.close()

@@ -51,6 +51,9 @@ class VllmConfig:
     cpu_kv_cache_gib: int | None = None
     """CPU build only: GiB of memory for the KV cache (None = sized to max_model_len x max_batch_size sequences
     of the model, at least 0.5 GiB, at most half the memory left beside the weights)."""
+    weight_transfer_backend: str | None = None
+    """The engine weights sent in memory arrive through (--weight-transfer-config): nccl (vLLM's, GPUs) or
+    plainrl_gloo (plainrl's, lib/vllm_transfer.py); None = none (weights come from the disk)."""
     extra_args: list[str] = dataclasses.field(default_factory=list)
     """Further `vllm serve` flags, passed through unchanged."""
 
@@ -128,6 +131,10 @@ def vllm_command(
     # over. vLLM then refuses any request with top_k <= 0 or temperature <= 0; Model Runner V2 only (GPUs).
     if return_sampling_mask:
         command.append("--return-sampling-mask")
+    # The weight-transfer routes' engine (lib/transfer.py); plainrl_gloo is registered in every vLLM process by
+    # the vllm.general_plugins entry point, and by importing this module (the worker extension) as well.
+    if config.weight_transfer_backend:
+        command += ["--weight-transfer-config", json.dumps({"backend": config.weight_transfer_backend})]
     # LoRA adapters loaded at run time (/v1/load_lora_adapter, mounted by VLLM_ALLOW_RUNTIME_LORA_UPDATING);
     # vLLM takes only some ranks, so the rank is rounded up to one.
     if max_lora_rank:
@@ -387,6 +394,13 @@ def run_vllm_cli() -> None:
     sys.argv[0] = "vllm"
     main()
 
+
+# Inside vLLM's processes (it imports this module for the worker extension, after itself): plainrl's gloo
+# weight-transfer engine, in case the vllm.general_plugins entry point is not installed (a plain checkout).
+if "vllm.distributed" in sys.modules:
+    from lib.vllm_transfer import register
+
+    register()
 
 if __name__ == "__main__":
     run_vllm_cli()

@@ -171,7 +171,7 @@ def main(cfg: Config) -> dict:
 
     import torch
 
-    from lib import dist, endpoint, envs, inference, probing, rundir, sync
+    from lib import dist, endpoint, envs, inference, probing, rundir, sync, transfer
     from lib.checkpoint import drop_newer, load_checkpoint, open_run, save_checkpoint, step_of
     from lib.config import to_dict
     from lib.head import KeptSets, next_token_scores
@@ -298,6 +298,7 @@ def main(cfg: Config) -> dict:
             )
             servers = sync.Servers(urls, names, api_key, cfg.inference.pause_mode, adapter, probe_tolerance)
             servers.top_k, servers.top_p, servers.kept_set = sampling.top_k, sampling.top_p, kept_set
+            servers.sender = transfer.sender(cfg.inference, urls, api_key, device)  # None: from the disk
             if kept_set != "none":
                 source = "served by the engine" if kept_set == "served" else "recomputed by the trainer"
                 say(f"top_k {sampling.top_k}, top_p {sampling.top_p}: each token's kept set is {source}")
@@ -356,17 +357,11 @@ def main(cfg: Config) -> dict:
         # At max_async_level >= 1 the servers reload beside the next step's training (sync.Reloader);
         # on-policy, the next step needs this step's weights anyway.
         weight_sync = sync.WeightSync(
-            run_dir,
-            model,
-            servers,
-            background=cfg.max_async_level >= 1,
-            last_step=cfg.steps,
-            tokenizer=tokenizer,
-            save_dtype=save_dtype,
-            autocast=autocast,
-            keep_weights=cfg.keep_weights,
-            save_merged=cfg.save_merged,
-        )
+            run_dir, model, servers, background=cfg.max_async_level >= 1, last_step=cfg.steps,
+            tokenizer=tokenizer, save_dtype=save_dtype, autocast=autocast,
+            keep_weights=cfg.keep_weights, save_merged=cfg.save_merged,
+            memory=cfg.inference.weight_sync == "memory", write_every=cfg.checkpoint_every,
+        )  # fmt: skip
         # Every server, started or attached, loads the run's starting weights from the run directory and
         # is checked against the trainer before any training: an attached one may hold another run's
         # weights (step 1 would be off-policy), and a server that cannot read the run directory, or runs

@@ -117,7 +117,7 @@ def vllm_installed() -> None:
 @pytest.fixture(scope="session")
 def vllm_server(vllm_installed, trained_tiny, tmp_path_factory):
     """One real vLLM server (fp32, the trained tiny model, 1 GiB of KV cache, LoRA adapters of rank <= 8
-    loadable at run time) for every test that can share it: a start costs 1-3 minutes here. It serves the model as "policy"; tests that load other weights
+    loadable at run time, weights taken in memory by plainrl's gloo engine) for every test that can share it: a start costs 1-3 minutes here. It serves the model as "policy"; tests that load other weights
     load trained_tiny back after."""
     from lib import inference
 
@@ -125,6 +125,7 @@ def vllm_server(vllm_installed, trained_tiny, tmp_path_factory):
     extra = ["--model.dtype", "float32", "--max-logprobs", "128", "--vllm.cpu-kv-cache-gib", "1"]
     extra += ["--served-model-name", "policy"]
     extra += ["--max-model-len", "2048", "--max-lora-rank", "8"]  # LoRA tests load adapters at run time
+    extra += ["--vllm.weight-transfer-backend", "plainrl_gloo"]  # in-memory syncs (tests/test_transfer.py)
     with inference.running_server(str(trained_tiny), engine="vllm", log_path=log, extra_args=extra) as server:
         yield server
 

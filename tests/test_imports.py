@@ -93,8 +93,8 @@ def test_the_walk_finds_a_cycle_made_inside_a_function(tmp_path):
 
 
 # What the builtin server may take from the trainer's side: its errors, model loading, sampling settings and
-# the weight fingerprint that both sides of a reload compute.
-SERVER_MAY_IMPORT = {"lib.config", "lib.fingerprint", "lib.model", "lib.sampling"}
+# the weight fingerprint that both sides of a reload compute, the group an in-memory transfer runs over.
+SERVER_MAY_IMPORT = {"lib.config", "lib.fingerprint", "lib.group", "lib.model", "lib.sampling"}
 
 
 def test_the_builtin_server_is_a_package_apart():

@@ -49,19 +49,24 @@ def read_weights(model, directory: Path) -> dict[str, torch.Tensor]:
     tensors = {}
     for file in files:
         tensors.update(load_file(file))
+    check_tensors(model, tensors, str(directory))
+    return tensors
+
+
+def check_tensors(model, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """A UserError unless `tensors` are exactly this model's weights, in its shapes."""
     state = model.state_dict()
     required = {name for name, _ in model.named_parameters()}  # a tied weight is listed once
     unknown, missing = sorted(set(tensors) - set(state)), sorted(required - set(tensors))
     if unknown or missing:
         raise UserError(
-            f"{directory} does not fit the served model (missing {missing[:3]}, unknown {unknown[:3]})."
+            f"{source} does not fit the served model (missing {missing[:3]}, unknown {unknown[:3]})."
         )
     for name, tensor in tensors.items():
         if tensor.shape != state[name].shape:
             raise UserError(
-                f"{directory}: {name} has shape {tuple(tensor.shape)}, the model {tuple(state[name].shape)}."
+                f"{source}: {name} has shape {tuple(tensor.shape)}, the model {tuple(state[name].shape)}."
             )
-    return tensors
 
 
 def read_adapter(model, directory: Path, max_rank: int) -> dict[str, torch.Tensor]:
@@ -234,6 +239,15 @@ class Engine:
             self._swap(tensors)
             self._base = {}  # the new weights are what the next adapter adds to
             log.info("loaded weights from %s (reload %d)", directory, self.reloads)
+            return self.reloads
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> int:
+        """Loads weights received in memory (lib/server/transfer.py) as `reload` loads a directory's."""
+        with self._reload_lock:
+            check_tensors(self.model, tensors, "the update received in memory")
+            self._swap(tensors)
+            self._base = {}
+            log.info("loaded %d weights received in memory (reload %d)", len(tensors), self.reloads)
             return self.reloads
 
     def load_adapter(self, directory: str | Path, max_rank: int) -> int:

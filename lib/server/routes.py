@@ -37,6 +37,7 @@ from lib.server.protocol import (
     sse,
     usage,
 )
+from lib.server.transfer import Receiver
 
 
 class RequireKey:
@@ -292,6 +293,39 @@ def build_app(
             raise UserError(f"weights_path {directory} is not a directory.")
         await asyncio.to_thread(engine.reload, directory)
         return {"results": [None]}
+
+    # In memory, as vLLM's weight-transfer routes (vllm/entrypoints/rl/online/api_router.py) with plainrl's
+    # gloo engine: the trainer broadcasts while /update_weights receives (lib/server/transfer.py).
+    receiver = Receiver(engine)
+
+    @app.get("/get_world_size")
+    async def get_world_size(include_dp: bool = True):
+        return {"world_size": 1}
+
+    @app.post("/init_weight_transfer_engine")
+    async def init_weight_transfer_engine(init_info: dict = Body(embed=True)):
+        await asyncio.to_thread(receiver.init, init_info)
+        return {"message": "Weight transfer initialized"}
+
+    @app.post("/start_weight_update")
+    async def start_weight_update():
+        receiver.start()
+        return {"message": "Weight update started"}
+
+    @app.post("/update_weights")
+    async def update_weights(update_info: dict = Body(embed=True)):
+        await asyncio.to_thread(receiver.update, update_info)
+        return {"message": "Weights updated"}
+
+    @app.post("/finish_weight_update")
+    async def finish_weight_update():
+        receiver.finish()
+        return {"message": "Weight update finished"}
+
+    @app.post("/shutdown_weight_transfer_engine")
+    async def shutdown_weight_transfer_engine():
+        receiver.shutdown()
+        return {"message": "Weight transfer shut down"}
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoraRequest):

@@ -1,0 +1,275 @@
+"""In-memory weight sync (lib/transfer.py): rl.py broadcasts each step's weights into the servers' memory over a
+group (the builtin engine, vLLM's CPU build with plainrl's gloo engine), checked by the fingerprint; a server
+killed or frozen mid-transfer, and a trainer killed mid-transfer, end in bounded time."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+from conftest import ROOT, load_script
+
+from lib import group, inference, transfer
+from lib.config import parse
+from lib.model import load_tokenizer
+
+rl = load_script("rl")
+sys.path.insert(0, str(ROOT / "tests" / "fixtures"))  # letter_taskset
+# Up to 5 s to the next health check, its 5 s timeout and the shutdown; twice that on a loaded machine.
+NOTICE_S = 40.0
+
+
+def memory_args(model, out, url, *extra) -> list[str]:
+    args = ["@", str(ROOT / "configs/tiny/rl.toml"), "--model.name", str(model), "--output-dir", str(out)]
+    args += ["--inference.urls", url, "--env.id", "letter_taskset", "--examples-per-step", "2"]
+    args += ["--rollouts-per-example", "4", "--sampling.max-tokens", "24", "--max-async-level", "0"]
+    return [*args, "--steps", "2", "--inference.weight-sync", "memory", *extra]
+
+
+def test_a_lora_run_asking_for_memory_sync_is_refused_before_any_work(tiny_dir, tmp_path):
+    args = memory_args(tiny_dir, tmp_path / "run", "http://127.0.0.1:9/v1", "--lora.rank", "8")
+    with pytest.raises(ValueError, match="LoRA runs sync their adapter from the disk"):
+        rl.main(parse(rl.Config, args))
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture(scope="module")
+def elsewhere(tiny_dir, tmp_path_factory):
+    """A builtin engine that can load no run directory from the disk (its weights root is a directory of its
+    own), as a server on another machine without a shared file system."""
+    root = tmp_path_factory.mktemp("elsewhere")
+    with inference.running_server(str(tiny_dir), engine="torch", weights_root=root / "own") as server:
+        yield server
+
+
+def served_logprobs(url: str, model: str, prompt: list[int]) -> tuple[list[int], list[float]]:
+    body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 1.0, "logprobs": 0, "seed": 3}
+    choice = httpx.post(f"{url}/completions", json=body | {"return_token_ids": True}, timeout=60).json()
+    return choice["choices"][0]["token_ids"], choice["choices"][0]["logprobs"]["token_logprobs"]
+
+
+@pytest.mark.parametrize("async_level", ["0", "1"])
+def test_memory_sync_needs_no_shared_directory_and_serves_the_trainers_weights(
+    async_level, elsewhere, tiny_dir, tmp_path
+):
+    """On-policy, and beside the next step's training (lib/sync.py Reloader), the default."""
+    out = tmp_path / "run"
+    args = memory_args(
+        tiny_dir, out, elsewhere.url, "--checkpoint-every", "5", "--max-async-level", async_level
+    )
+    result = rl.main(parse(rl.Config, args))
+    assert len(result["history"]) == 2
+    for metrics in result["history"]:  # probed after each in-memory update, the fingerprint having passed
+        assert metrics.get("sync/probe_logprob_difference", 0.0) < 1e-3, metrics
+    # weights/step_N at the start, the checkpoints and the last step only: step 1 went in memory alone.
+    written = sorted(path.name for path in (out / "weights").iterdir())
+    assert written == ["step_0", "step_2"], written
+    # The server computes what a forward pass of the trained weights computes.
+    tokenizer = load_tokenizer(str(result["weights"]))
+    prompt = tokenizer("Reverse: hello")["input_ids"]
+    tokens, logprobs = served_logprobs(elsewhere.url, str(tiny_dir), prompt)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(result["weights"]).eval()
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logp = model(ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+    assert max(abs(a - b) for a, b in zip(logprobs, logp[len(prompt) - 1 :].tolist())) < 1e-4
+
+
+def test_a_resumed_run_forms_the_group_again_and_goes_on_in_memory(elsewhere, tiny_dir, tmp_path):
+    """The first run leaves the server's group (or dies in it); --resume forms a new one with the same server."""
+    out = tmp_path / "run"
+    rl.main(parse(rl.Config, memory_args(tiny_dir, out, elsewhere.url, "--checkpoint-every", "1")))
+    args = memory_args(tiny_dir, out, elsewhere.url, "--checkpoint-every", "1", "--resume")
+    args[args.index("--steps") + 1] = "3"
+    result = rl.main(parse(rl.Config, args))
+    assert len(result["history"]) == 1 and result["history"][0]["sync/probe_logprob_difference"] < 1e-3
+    assert (out / "checkpoints" / "step_3").is_dir()
+
+
+def midway(monkeypatch, act) -> dict:
+    """Calls act() once the trainer has sent the first weight of its second update (step 1's)."""
+    sent, broadcast = {"count": 0, "updates": 0}, group.broadcast
+    update = transfer.Sender.send
+
+    def counting_send(self, tensors):
+        sent["updates"] += 1
+        return update(self, tensors)
+
+    def acting_broadcast(group_, tensor, timeout_s=group.TIMEOUT_S):
+        broadcast(group_, tensor, timeout_s)
+        sent["count"] += 1
+        if sent["updates"] == 2 and "at" not in sent:
+            act()
+            sent["at"] = time.monotonic()
+
+    monkeypatch.setattr(transfer.Sender, "send", counting_send)
+    monkeypatch.setattr(group, "broadcast", acting_broadcast)
+    return sent
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["kill", "freeze"])
+def test_a_server_killed_or_frozen_mid_transfer_ends_the_run_in_one_sentence(
+    fault, tiny_dir, tmp_path, monkeypatch
+):
+    with inference.running_server(str(tiny_dir), engine="torch", weights_root=tmp_path / "own") as server:
+        stop = signal.SIGKILL if fault == "kill" else signal.SIGSTOP
+        sent = midway(monkeypatch, lambda: os.kill(server.process.pid, stop))
+        try:
+            with pytest.raises(ValueError) as ended:
+                rl.main(parse(rl.Config, memory_args(tiny_dir, tmp_path / "run", server.url)))
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+    seconds, sentence = time.monotonic() - sent["at"], str(ended.value)
+    assert server.url.removesuffix("/v1") in sentence, sentence
+    assert "\n" not in sentence and seconds < NOTICE_S, (seconds, sentence)
+    print(f"\nserver {fault} mid-transfer: the run ended {seconds:.1f} s after it: {sentence}")
+
+
+def test_an_update_that_moved_nothing_stops_at_the_fingerprint(elsewhere, tiny_dir, monkeypatch):
+    """A transfer that says it succeeded and moved nothing (what vLLM #57022 reports of vLLM's nccl engine on
+    CPUs) leaves the server on its old weights: the fingerprint after the update names the server."""
+    from safetensors.torch import load_file
+
+    tensors = {name: value + 0.01 for name, value in load_file(tiny_dir / "model.safetensors").items()}
+    monkeypatch.setattr(transfer.Sender, "send", lambda self, tensors: None)
+    sender = transfer.Sender([elsewhere.url], None, "cpu", transfer.GLOO)
+    with pytest.raises(ValueError) as stopped:
+        transfer.update_in_memory(sender, tensors, tied=False, label="step_1", pause_mode="wait")
+    sentence = str(stopped.value)
+    root = elsewhere.url.removesuffix("/v1")
+    assert sentence.startswith(
+        f"the inference server {root} does not compute with the weights sent to it in memory for step_1: in its engine 0 the first differing weight is"
+    ), sentence
+    assert httpx.get(f"{root}/is_paused", timeout=10).json() == {"is_paused": False}  # resumed all the same
+
+
+TRAINER = """
+import os, sys, torch
+sys.path.insert(0, {root!r})
+from lib import group
+g = group.join("127.0.0.1", {port}, 0, 2, "gloo", 30)
+group.broadcast(g, torch.zeros({shape}, dtype=torch.{dtype}))
+os._exit(0)  # killed mid-transfer: the rest never comes
+"""
+
+
+def test_a_trainer_gone_mid_transfer_leaves_the_server_serving_and_ready_for_a_new_group(elsewhere, tiny_dir):
+    url, root = elsewhere.url, elsewhere.url.removesuffix("/v1")
+    from safetensors.torch import load_file
+
+    weights = load_file(tiny_dir / "model.safetensors")
+    names = list(weights)
+    info = {
+        "names": names,
+        "dtype_names": [str(weights[n].dtype).removeprefix("torch.") for n in names],
+        "shapes": [list(weights[n].shape) for n in names],
+    }
+    port = inference.free_port()
+    first = weights[names[0]]
+    script = TRAINER.format(
+        root=str(ROOT), port=port, shape=tuple(first.shape), dtype=str(first.dtype).removeprefix("torch.")
+    )
+    trainer = subprocess.Popen([sys.executable, "-c", script])
+    init = {
+        "master_address": "127.0.0.1",
+        "master_port": port,
+        "rank_offset": 1,
+        "world_size": 2,
+        "timeout_s": 30,
+    }
+    assert (
+        httpx.post(f"{root}/init_weight_transfer_engine", json={"init_info": init}, timeout=60).status_code
+        == 200
+    )
+    assert httpx.post(f"{root}/start_weight_update", timeout=10).status_code == 200
+    began = time.monotonic()
+    answer = httpx.post(f"{root}/update_weights", json={"update_info": info}, timeout=60)
+    trainer.wait(30)
+    assert answer.status_code == 400 and "after 1 weights" in answer.text, answer.text
+    assert time.monotonic() - began < 30
+    # Still serving on the weights it had, and a new group forms (a resumed trainer's).
+    assert httpx.get(f"{root}/health", timeout=10).status_code == 200
+    sender = transfer.Sender([url], None, "cpu", transfer.GLOO)
+    tensors = {name: value.clone() for name, value in weights.items()}
+    transfer.update_in_memory(sender, tensors, tied=False, label="again", pause_mode="wait")
+    sender.close()
+
+
+@pytest.mark.vllm
+def test_vllm_takes_the_weights_in_memory_through_plainrls_gloo_engine(vllm_server, trained_tiny, tmp_path):
+    """Against real vLLM (its CPU build): the engine registered by plainrl, driven over vLLM's own routes."""
+    from lib import reload
+
+    out = tmp_path / "run"
+    try:
+        result = rl.main(
+            parse(rl.Config, memory_args(trained_tiny, out, vllm_server.url, "--checkpoint-every", "5"))
+        )
+        assert len(result["history"]) == 2
+        for metrics in result["history"]:  # the fingerprint passed, then the probe
+            assert metrics["sync/probe_logprob_difference"] < 1e-3, metrics
+        assert sorted(path.name for path in (out / "weights").iterdir()) == ["step_0", "step_2"]
+    finally:
+        reload.reload_weights([vllm_server.url], trained_tiny, None, "default")  # back for the other tests
+
+
+@pytest.mark.vllm
+def test_vllms_own_nccl_engine_on_the_cpu_build_stops_the_run_naming_the_server(
+    vllm_installed, tiny_dir, tmp_path
+):
+    """vLLM's nccl engine on its CPU build: reported to broadcast nothing and say nothing (vLLM #57022); in
+    vLLM 0.32 over HTTP it fails to join instead (it asks torch for an accelerator). The run stops before
+    training in one sentence naming the server; a join that passed and moved nothing would meet the
+    fingerprint (test_an_update_that_moved_nothing_stops_at_the_fingerprint)."""
+    extra = ["--model.dtype", "float32", "--vllm.cpu-kv-cache-gib", "1", "--max-model-len", "1024"]
+    extra += ["--vllm.weight-transfer-backend", "nccl"]
+    with inference.running_server(
+        str(tiny_dir), engine="vllm", log_path=tmp_path / "vllm.log", extra_args=extra
+    ) as server:
+        args = memory_args(
+            tiny_dir, tmp_path / "run", server.url, "--inference.vllm-transfer-backend", "nccl"
+        )
+        with pytest.raises(ValueError) as stopped:
+            rl.main(parse(rl.Config, [*args, "--optim.lr", "3e-2"]))
+        # The server still serves, and never took a step's weights.
+        assert httpx.get(f"{server.url.removesuffix('/v1')}/health", timeout=10).status_code == 200
+    sentence, root = str(stopped.value), server.url.removesuffix("/v1")
+    assert f"the inference server {root}" in sentence and "\n" not in sentence, sentence
+    assert "Cannot access accelerator device" in sentence and "plainrl_gloo" in sentence, sentence
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any(
+        (tmp_path / "run" / "checkpoints").iterdir()
+    )
+    print(f"\nvLLM's nccl engine on the CPU build: {sentence}")
+
+
+@pytest.mark.vllm
+def test_the_plugin_entry_point_registers_plainrls_engine_with_vllm(vllm_installed):
+    """What vLLM's load_general_plugins runs in each of its processes, read from pyproject.toml (an editable
+    install made before the entry point existed does not list it, so lib/vllm.py registers it as well)."""
+    import importlib
+    import tomllib
+
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    entry = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"][
+        "vllm.general_plugins"
+    ]
+    module, _, function = entry[transfer.GLOO].partition(":")
+    register = getattr(importlib.import_module(module), function)
+    register()
+    register()  # every vLLM process runs it; twice is harmless
+    engine = WeightTransferEngineFactory._registry[transfer.GLOO]()
+    assert (
+        engine.__name__ == "GlooWeightTransferEngine"
+        and engine.init_info_cls(
+            master_address="127.0.0.1", master_port=1, rank_offset=1, world_size=2
+        ).timeout_s
+        == group.TIMEOUT_S
+    )
