@@ -74,19 +74,19 @@ def open_run(cfg, say) -> Path | None:
 
 
 def claim(cfg, say) -> Path | None:
-    """open_run's work, on rank 0. Refuses a non-empty directory that is no run's, checkpoints without
-    cfg.resume, and checkpoints none of which is usable. Without a checkpoint the run starts over: what an
+    """open_run's work, on rank 0. Refuses a non-empty directory that is no run's (rundir.is_run_dir),
+    checkpoints without cfg.resume, and checkpoints none of which is usable. Without a checkpoint the run starts over: what an
     earlier run wrote moves to restarted/<time>/ (set_aside) and config.toml is written. A resume keeps
     config.toml and records what its config changes (record_changes)."""
     from lib.config import write_config
 
     run_dir = cfg.output_dir
-    if run_dir.is_dir() and not rundir.is_run_dir(run_dir):
+    if run_dir.is_dir() and not rundir.is_run_dir(run_dir, type(cfg)):
         if foreign := sorted(p.name for p in run_dir.iterdir() if p.name not in rundir.BEFORE_RUN):
             shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
             raise UserError(
-                f"{run_dir} holds other files ({shown}) and no run (no config.toml or provenance.json): "
-                "give --output-dir a new or empty directory."
+                f"{run_dir} holds other files ({shown}) and no run of this script (no config.toml or "
+                "provenance.json that plainrl wrote for it): give --output-dir a new or empty directory."
             )
     found = step_dirs(run_dir / rundir.CHECKPOINTS)
     if found and not cfg.resume:

@@ -318,7 +318,7 @@ def write_config(config, path: Path) -> None:
     """Writes the resolved config; it can be passed back with `@ path` to repeat the run. Written under
     another name, then renamed: a run killed meanwhile leaves no half of it for --resume to read."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(path, tomli_w.dumps(to_dict(config)))
+    write_atomically(path, rundir.CONFIG_HEADER + tomli_w.dumps(to_dict(config)))
 
 
 def write_atomically(path: Path, text: str) -> None:

@@ -1,8 +1,13 @@
 """The run directory: the name of everything a run writes there (its writers take them from here)."""
 
+import dataclasses
+import json
+import tomllib
 from pathlib import Path
 
 CONFIG = "config.toml"  # the resolved config the run started with (lib/checkpoint.py open_run)
+# The first line of every config.toml plainrl writes (lib/config.py write_config): anyone's folder may hold one.
+CONFIG_HEADER = "# plainrl's resolved config: `@` this file, with a new --output-dir, to repeat the run\n"
 RESUMES = "resumes.jsonl"  # a line per resume that changed the config: the changes, the config it took
 PROVENANCE = "provenance.json"  # lib/provenance.py
 TENSORBOARD = "tb"  # lib/log.py
@@ -40,6 +45,20 @@ OUTPUTS = (
 BEFORE_RUN = (SLURM,)
 
 
-def is_run_dir(path: Path) -> bool:
-    """Whether a run wrote in `path`: every run writes config.toml or provenance.json before anything else."""
-    return (path / CONFIG).is_file() or (path / PROVENANCE).is_file()
+def is_run_dir(path: Path, config_class: type) -> bool:
+    """Whether a run of the script configured by config_class wrote in `path`, judged only by what plainrl
+    alone writes first: a provenance.json naming plainrl's revision, or a config.toml that opens with
+    CONFIG_HEADER and whose keys are config_class's fields. Anyone else's file of either name is no run."""
+    try:
+        provenance = json.loads((path / PROVENANCE).read_text())
+        if isinstance(provenance, dict) and "plainrl_revision" in provenance:
+            return True
+    except (OSError, ValueError):
+        pass
+    try:
+        text = (path / CONFIG).read_text()
+        table = tomllib.loads(text)
+    except (OSError, ValueError):  # tomllib.TOMLDecodeError and UnicodeDecodeError are ValueErrors
+        return False
+    fields = {field.name for field in dataclasses.fields(config_class)}
+    return text.startswith(CONFIG_HEADER) and {key.replace("-", "_") for key in table} <= fields

@@ -10,8 +10,9 @@ from typing import Literal
 
 from lib.config import KEY_VARIABLE, UserError, preset_to_flags
 
-# Flag names that carry a secret, however spelled (api_key, API-KEY, hf-token, db.password...).
-SECRET_NAME = re.compile(r"(^|[-_.])(api[-_.]?key|token|secret|password|passwd)($|[-_.])", re.IGNORECASE)
+# Flag names that carry a secret, however spelled (api_key, access-key, HF_TOKEN, db.password, credentials,
+# hf-auth...); a tokenizer, a count of tokens (max-num-batched-tokens) or token ids are no secret.
+SECRET_NAME = re.compile(r"key|secret|passw(or)?d|credential|auth|token(?!s|iz|[-_.]?ids?\b)", re.IGNORECASE)
 
 
 @dataclasses.dataclass

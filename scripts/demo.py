@@ -15,8 +15,11 @@ Two engines (--engine): torch, the builtin engine, started by each evaluation an
 start); vllm (`make demo-vllm`), one server of vLLM's CPU build for every evaluation and the RL stage, its
 weights reloaded between stages (a start takes 1-2 minutes), the trainer on the core it leaves.
 
-Run again, it goes on where it stopped: a stage whose final output is there is skipped, SFT and RL continue
-from their last checkpoint (`--resume`), and a finished demo is left untouched. The settings are kept in
+Run again, it goes on where it stopped: a stage whose final output is there, made from the same inputs as now
+(<out>/inputs.json: the sha256 of the weights or results each stage started from), is skipped; SFT and RL
+continue from their last checkpoint (`--resume`), or start over where their inputs changed (the old run set
+aside in its restarted/); and a finished demo is left untouched. An evaluation in which episodes failed
+(scored 0) stops the demo, naming it, and is redone by the next run. The settings are kept in
 <out>/demo.toml, and a rerun with other settings into the same directory is refused.
 
 Usage:
@@ -29,6 +32,7 @@ Usage:
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import shlex
@@ -42,10 +46,11 @@ from typing import Literal
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # finds lib/ outside the virtualenv too
 import lib.venv  # noqa: F401  (first: says which python to use when the dependencies are missing)
-from lib.config import UserError, parse, run_main, to_dict, write_config
+from lib.config import UserError, parse, run_main, to_dict, write_atomically, write_config
 from lib.models import SMOLLM2_DIR
 
 SETTINGS = "demo.toml"  # the settings the demo in a directory was started with
+INPUTS = "inputs.json"  # {stage: the sha256 of each file it started from}: a stage made from others is redone
 
 
 # Each recipe's settings where the command line leaves them out (None): its presets' steps, and held-out
@@ -138,11 +143,34 @@ class Config:
 
 @dataclasses.dataclass
 class Stage:
-    """A step of the demo: `run` makes what `done` looks for, and a rerun skips a stage that is done."""
+    """A step of the demo: `run` makes what `done` looks for from `inputs` (files or directories the stages
+    before it made); a rerun skips a stage that is done and was made from the same inputs as now."""
 
     name: str
     done: Callable[[], bool]
     run: Callable[[], object]
+    inputs: tuple[Path, ...] = ()
+    run_dir: Path | None = None
+    """A training stage's: its run there is set aside (lib/checkpoint.py) when its inputs changed."""
+
+
+@functools.cache
+def sha256(path: Path, size: int, mtime_ns: int) -> str:
+    """A file's sha256, computed once a run for the same file, size and time (SmolLM2's weights are 540 MB)."""
+    from lib.checkpoint import file_sha256
+
+    return file_sha256(path)
+
+
+def contents(paths: tuple[Path, ...]) -> list[dict[str, str]]:
+    """What a stage starts from: for each path, the sha256 of each file (under a directory, by relative name)."""
+    found = []
+    for path in paths:
+        files = [file for file in (sorted(path.rglob("*")) if path.is_dir() else [path]) if file.is_file()]
+        found.append(
+            {str(f.relative_to(path)): sha256(f, f.stat().st_size, f.stat().st_mtime_ns) for f in files}
+        )
+    return found
 
 
 def run(*args: str, env: dict | None = None) -> None:
@@ -161,11 +189,24 @@ def trained(run_dir: Path, steps: int) -> bool:
 
 
 def evaluated(run_dir: Path) -> bool:
-    """Whether eval.py finished: summary.json comes last, with status "failed" when no episode was scored."""
+    """Whether eval.py finished with every episode scored: summary.json comes last, with status "partial" or
+    "failed" when episodes failed (each scored 0, which would lower the reward the demo reports)."""
     try:
-        return json.loads((run_dir / "summary.json").read_text())["status"] != "failed"
+        return json.loads((run_dir / "summary.json").read_text())["status"] == "ok"
     except (FileNotFoundError, json.JSONDecodeError):  # not written yet, or cut short by a kill
         return False
+
+
+def check_scored(run_dir: Path) -> None:
+    """Stops the demo after an evaluation in which episodes failed (eval.py exits 0 when some were scored)."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    if summary["status"] != "ok":
+        cause = next(iter(summary["errors"]), "unknown").splitlines()[0][:200]
+        raise UserError(
+            f"{summary['num_errors']} of the {summary['num_rollouts']} episodes of the evaluation in {run_dir} "
+            f"failed (first cause: {cause}) and would count as reward 0: the demo stops here; run it again "
+            "to redo that evaluation"
+        )
 
 
 def reward(run_dir: Path) -> float:
@@ -212,9 +253,11 @@ def evaluate(cfg: Config, model: Path, run_dir: Path, shared: SharedServer | Non
         args[-1:] = [shared.NAME, "-b", shared.serving(model)]
     args += ["-n", str(cfg.eval_examples), "-r", str(cfg.eval_rollouts), "--sampling.temperature", "1.0"]
     run(*args, "--output-dir", str(run_dir.parent), "--name", run_dir.name)
+    check_scored(run_dir)
     if cfg.real:
         args[args.index("-r") + 1 : args.index("-r") + 4] = ["1", "--sampling.temperature", "0.0"]
         run(*args, "--output-dir", str(run_dir.parent), "--name", greedy(run_dir).name)
+        check_scored(greedy(run_dir))
 
 
 def plot(cfg: Config, before: float, after: float, base: float | None = None) -> Path:
@@ -274,27 +317,24 @@ def stages(cfg: Config, cleanup: contextlib.ExitStack) -> list[Stage]:
         """Whether an evaluation stage finished: its sampled run and, for the real model, its greedy one."""
         return evaluated(run_dir) and (not cfg.real or evaluated(greedy(run_dir)))
 
+    def evaluation(name: str, weights: Path, run_dir: Path) -> Stage:
+        return Stage(name, lambda: done(run_dir), lambda: evaluate(cfg, weights, run_dir, shared), (weights,))
+
+    evaluations = (base,) if cfg.real else ()
+    evaluations += (after_sft, after_rl) if cfg.sft else (after_rl,)
     return [
         Stage("model", (model / "config.json").is_file, lambda: run(script, "--out", str(model))),
-        *(
-            [Stage("eval of the base model", lambda: done(base), lambda: evaluate(cfg, model, base, shared))]
-            if cfg.real
-            else []
-        ),
+        *([evaluation("eval of the base model", model, base)] if cfg.real else []),
         *(
             [
-                Stage("sft", lambda: trained(sft, cfg.sft_steps), lambda: run(*sft_command)),
-                Stage(
-                    "eval after SFT",
-                    lambda: done(after_sft),
-                    lambda: evaluate(cfg, sft_weights, after_sft, shared),
-                ),
+                Stage("sft", lambda: trained(sft, cfg.sft_steps), lambda: run(*sft_command), (model,), sft),
+                evaluation("eval after SFT", sft_weights, after_sft),
             ]
             if cfg.sft
             else []
         ),
-        Stage("rl", lambda: trained(rl, cfg.rl_steps), run_rl),
-        Stage("eval after RL", lambda: done(after_rl), lambda: evaluate(cfg, rl_weights, after_rl, shared)),
+        Stage("rl", lambda: trained(rl, cfg.rl_steps), run_rl, (rl_start,), rl),
+        evaluation("eval after RL", rl_weights, after_rl),
         Stage(
             "reward curve",
             (cfg.out / "reward_curve.png").is_file,
@@ -304,6 +344,7 @@ def stages(cfg: Config, cleanup: contextlib.ExitStack) -> list[Stage]:
                 after=reward(after_rl),
                 base=reward(base) if cfg.real else None,
             ),
+            inputs=tuple(run_dir / "summary.json" for run_dir in evaluations),
         ),
     ]
 
@@ -342,16 +383,42 @@ def main(cfg: Config) -> dict:
     check_settings(cfg)
     with contextlib.ExitStack() as cleanup:
         every = stages(cfg, cleanup)
-        left = [stage for stage in every if not stage.done()]
-        if not left:
+        record = cfg.out / INPUTS
+        made_from = json.loads(record.read_text()) if record.is_file() else {}
+
+        def is_done(stage: Stage) -> bool:
+            """Done, and made from what its inputs hold now (a stage an older demo made, unrecorded, is trusted)."""
+            return stage.done() and made_from.setdefault(stage.name, contents(stage.inputs)) == contents(
+                stage.inputs
+            )
+
+        # A stage is judged when its turn comes, after the stages before it ran: they may change its inputs.
+        first = next((index for index, stage in enumerate(every) if not is_done(stage)), len(every))
+        if first == len(every):
             print(f"the demo in {cfg.out} is finished: nothing to do, its results are below")
-        elif len(left) < len(every):
-            done = [stage.name for stage in every if stage not in left]
-            print(f"going on with the demo in {cfg.out}: {', '.join(done)} done already")
+        elif first:
+            print(
+                f"going on with the demo in {cfg.out}: {', '.join(s.name for s in every[:first])} done already"
+            )
 
         # ------------------------------------------------------------ stages
-        for stage in left:
+        left = []
+        for stage in every[first:]:
+            if is_done(stage):
+                continue
+            inputs = contents(stage.inputs)
+            if stage.run_dir is not None and made_from.get(stage.name, inputs) != inputs:
+                from lib.checkpoint import set_aside
+
+                moved = set_aside(stage.run_dir)
+                print(
+                    f"{stage.name}: its inputs changed since it ran, so it starts over (the old run: {moved})"
+                )
+            if made_from.get(stage.name) != inputs:
+                made_from[stage.name] = inputs
+                write_atomically(record, json.dumps(made_from, indent=1) + "\n")
             stage.run()
+            left.append(stage)
 
     # ------------------------------------------------------------ report
     names = ("base", "after-sft", "after-rl") if cfg.sft else ("base", "after-rl")

@@ -118,7 +118,10 @@ def test_an_interrupted_demo_runs_only_the_stages_it_had_left(toy_demo):
     assert commands(toy_demo["second"]) == ["rl.py", "eval.py after-rl"]
     assert "model, sft, eval after SFT done already" in toy_demo["second"]
     now = files(toy_demo["cfg"].out)
-    assert {name: now[name] for name in toy_demo["left"]} == toy_demo["left"]
+    left = {
+        name: stamp for name, stamp in toy_demo["left"].items() if name != demo.INPUTS
+    }  # records RL's too
+    assert {name: now[name] for name in left} == left
 
 
 def test_a_finished_demo_rerun_touches_nothing_and_says_where_its_results_are(toy_demo):
@@ -172,7 +175,15 @@ def test_the_real_model_demo_is_the_seed_recipe_with_its_presets(tmp_path, monke
     from lib.models import SMOLLM2_DIR
 
     ran = []
-    monkeypatch.setattr(demo, "run", lambda *args: ran.append(list(args)))
+
+    def recorded(*args):
+        ran.append(list(args))
+        if args[0] == "scripts/eval.py":  # what it leaves when every episode was scored
+            run_dir = tmp_path / "demo" / "eval" / args[args.index("--name") + 1]
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "summary.json").write_text('{"status": "ok", "avg_reward": 0.0}')
+
+    monkeypatch.setattr(demo, "run", recorded)
     cfg = demo.Config(out=tmp_path / "demo")
     stages = demo.stages(cfg, contextlib.ExitStack())  # the builtin engine: no server of its own to stop
     assert [stage.name for stage in stages] == [
@@ -208,6 +219,7 @@ def test_the_real_model_demo_is_the_seed_recipe_with_its_presets(tmp_path, monke
     assert {(e.seed, e.num_examples) for e in evals} == {(1, cfg.eval_examples)} and sft.data.seed == 0
     assert [e.sampling.temperature for e in evals] == [rl.sampling.temperature, 0.0] * 3
     # An evaluation killed between its sampled and its greedy run is not done: a rerun does both.
+    shutil.rmtree(cfg.out / "eval")
     (cfg.out / "eval" / "base").mkdir(parents=True)
     (cfg.out / "eval" / "base" / "summary.json").write_text('{"status": "ok", "avg_reward": 0.0}')
     assert not stages[1].done()
@@ -277,7 +289,15 @@ def test_the_rl_first_demo_is_base_eval_rl_eval_on_held_out_arithmetic(tmp_path,
 
     assert dry_run("demo-arithmetic") == [".venv/bin/python", "scripts/demo.py", "--recipe", "rl-first"]
     ran = []
-    monkeypatch.setattr(demo, "run", lambda *args: ran.append(list(args)))
+
+    def recorded(*args):
+        ran.append(list(args))
+        if args[0] == "scripts/eval.py":  # what it leaves when every episode was scored
+            run_dir = tmp_path / "demo" / "eval" / args[args.index("--name") + 1]
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "summary.json").write_text('{"status": "ok", "avg_reward": 0.0}')
+
+    monkeypatch.setattr(demo, "run", recorded)
     cfg = demo.parse(demo.Config, ["--recipe", "rl-first", "--out", str(tmp_path / "demo")])
     stages = demo.stages(cfg, contextlib.ExitStack())
     names = ["model", "eval of the base model", "rl", "eval after RL", "reward curve"]
@@ -301,3 +321,58 @@ def test_the_rl_first_demo_is_base_eval_rl_eval_on_held_out_arithmetic(tmp_path,
     assert [e.sampling.temperature for e in evals] == [rl.sampling.temperature, 0.0] * 2
     with pytest.raises(UserError, match="SmolLM2 only"):
         demo.Config(recipe="rl-first", model="tiny")
+
+
+def half_failed(run_dir) -> None:
+    """What eval.py leaves when its server dies halfway: status partial, the failed episodes scored 0."""
+    import json
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary |= {"status": "partial", "num_errors": 2, "error_rate": 0.5, "errors": {"ConnectError": 2}}
+    summary["avg_reward"] /= 2
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+
+
+def test_a_half_failed_evaluation_stops_the_demo_naming_it_and_a_rerun_redoes_it(toy_demo):
+    out = toy_demo["cfg"].out
+    after_rl = out / "eval" / "after-rl"
+    half_failed(after_rl)  # left by an earlier demo
+    real_run = demo.run
+
+    def server_dies_during_the_evaluation(*args, **kwargs):
+        real_run(*args, **kwargs)
+        if "after-rl" in args:
+            half_failed(after_rl)
+
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(UserError) as stopped:
+        patch.setattr(demo, "run", server_dies_during_the_evaluation)
+        run_demo(demo.Config(out=out, **TOY))
+    sentence = str(stopped.value)
+    assert str(after_rl) in sentence and "2 of" in sentence and "\n" not in sentence, sentence
+    assert (
+        not (out / "reward_curve.png").is_file()
+        or (out / "reward_curve.png").stat().st_mtime_ns < (after_rl / "summary.json").stat().st_mtime_ns
+    )  # no curve drawn from it
+    printed = run_demo(demo.Config(out=out, **TOY))
+    assert commands(printed) == ["eval.py after-rl"]
+    import json
+
+    assert json.loads((after_rl / "summary.json").read_text())["status"] == "ok"
+
+
+def test_stages_made_from_weights_that_changed_since_are_redone(toy_demo):
+    """SFT redone into other weights: the evaluation after SFT, RL from them and what follows are stale."""
+    from safetensors.torch import load_file, save_file
+
+    out = toy_demo["cfg"].out
+    run_demo(demo.Config(out=out, **TOY))  # finished, whatever the tests before left
+    weights = out / "sft" / "weights" / "step_4" / "model.safetensors"
+    tensors = load_file(weights)
+    save_file({name: tensor * 1.01 for name, tensor in tensors.items()}, weights, metadata={"format": "pt"})
+    old_rl = files(out / "rl")
+    printed = run_demo(demo.Config(out=out, **TOY))
+    assert commands(printed) == ["eval.py after-sft", "rl.py", "eval.py after-rl"]
+    (moved,) = (out / "rl" / "restarted").iterdir()  # the RL run from the old weights, set aside
+    assert files(moved)["checkpoints/step_2/manifest.json"] == old_rl["checkpoints/step_2/manifest.json"]
+    assert (out / "rl" / "checkpoints" / "step_2").is_dir()
+    assert commands(run_demo(demo.Config(out=out, **TOY))) == []

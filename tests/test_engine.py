@@ -41,6 +41,40 @@ def test_draw_samples_each_rows_distribution_and_never_a_filtered_token():
     assert draw(wide, torch.tensor([1 - 2**-53], dtype=torch.float64)).item() == 49_151
 
 
+def test_draw_gives_every_token_of_a_span_exactly_its_probability():
+    """The exact chance of each token, found by bisection on the uniform number (draw is monotone in it), over
+    whole spans of a 49,152-token row: a span's last token of tiny mass must get neither the rounding gap
+    between the span's float32 total and the float64 running sum inside it (the 2.5e-11 and 8.1e-12 it got
+    for 1.4e-11 and 3.1e-13) nor lose it; a token filtered out is never drawn."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(49_152, generator=generator) * 4
+    spans = (3, 41)
+    for span in spans:  # a tiny last token, a filtered one before it
+        logits[span * 256 + 255] = logits.max() - 24.0 - span / 10
+        logits[span * 256 + 254] = -math.inf
+    logprobs = torch.log_softmax(logits, dim=-1)
+    probs = logprobs.exp().double()  # the float32 probabilities the sampler is given
+    ids = torch.tensor([span * 256 + offset for span in spans for offset in range(257)])  # each span's edges
+    low = torch.zeros(len(ids), dtype=torch.float64)  # draws a token before ids
+    high = torch.ones(len(ids), dtype=torch.float64)  # draws ids or a later one
+    for _ in range(56):  # to 2**-56, below the tolerance
+        middle = (low + high) / 2
+        later = draw(logprobs.expand(len(ids), -1), middle) >= ids
+        high, low = torch.where(later, middle, high), torch.where(later, low, middle)
+    edges = high.unflatten(0, (len(spans), 257))  # the least uniform number drawing each token or a later one
+    chance = edges[:, 1:] - edges[:, :-1]  # (spans, 256)
+    expected = probs[ids].unflatten(0, (len(spans), 257))[:, :256] / probs.sum()  # (spans, 256)
+    gap = (chance - expected).abs()  # (spans, 256)
+    worst = int(gap.argmax())
+    shown = (
+        ids.unflatten(0, (len(spans), 257))[:, :256].flatten()[worst].item(),
+        expected.flatten()[worst].item(),
+    )
+    assert bool((gap <= 1e-6 * expected + 1e-15).all()), (*shown, chance.flatten()[worst].item())
+    assert bool((chance[:, 254] == 0).all())  # filtered out: never drawn
+    assert bool((expected[:, 255] < 1e-10).all() and (expected[:, 255] > 1e-13).all())
+
+
 def test_engine_skips_requests_whose_caller_left_and_fails_queued_ones_on_close(tiny_dir):
     engine = Engine(ModelConfig(name=str(tiny_dir), device="cpu"))
     engine.pause()

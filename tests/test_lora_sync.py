@@ -22,6 +22,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from lib import endpoint, inference, probing, reload
 from lib.config import UserError, parse
 from lib.head import use_chunked_head
+from lib.model import ModelConfig
 
 rl = load_script("rl")
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -111,6 +112,50 @@ def test_three_lora_steps_serve_the_trainers_adapter_not_the_base_model(
     use_chunked_head(merged)
     merged_logprobs = score(merged, contextlib.nullcontext, *published[-1]["tokens"])
     assert mean_difference(merged_logprobs, published[-1]["trainer"]) < TOLERANCE
+
+
+def test_the_adapter_file_holds_exactly_what_the_trainer_multiplies(tiny_dir, tmp_path):
+    """rl.py writes the adapter in the dtype its trainer computes in (lib/model.py runs_in_dtype): bf16 only
+    under bf16 autocast, which rounds A and B to bf16 at every multiply, so the bf16 file loses nothing the
+    trainer uses; a float32 trainer writes float32. Scored with the file's A and B in place of its own, the
+    trainer's logprobs stay bit for bit the same (SmolLM2's figures: docs/lora.md)."""
+    from safetensors.torch import load_file
+
+    from lib.model import LoraConfig, load_trainable
+    from lib.weights import write_adapter_dir
+
+    prompt, completion = [5, 6, 7, 8], [9, 10, 11, 12, 13, 14]
+    for autocast_mode, dtype in (("on", torch.bfloat16), ("off", torch.float32)):
+        model, save_dtype, autocast = load_trainable(
+            ModelConfig(name=str(tiny_dir), device="cpu", autocast=autocast_mode),
+            LoraConfig(rank=16, alpha=32),
+            device="cpu",
+            world_size=1,
+            packing=False,
+        )
+        assert save_dtype == dtype
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():  # a trained adapter: B is 0 at the start
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+        path = tmp_path / autocast_mode
+        path.mkdir()
+        write_adapter_dir(path, model, dict(model.state_dict()), save_dtype)
+        trainer = probing.trainer_logprobs(model, autocast, prompt, completion)
+        written = load_file(path / "adapter_model.safetensors")
+        assert {tensor.dtype for tensor in written.values()} == {dtype}
+        lora = {name: param for name, param in model.named_parameters() if ".lora_" in name}
+        assert len(lora) == len(written)
+        moved = [
+            bool((param != written[name.replace(".default", "")].float()).any())
+            for name, param in lora.items()
+        ]
+        assert all(moved) if autocast_mode == "on" else not any(moved)  # the file rounded every A and B
+        with torch.no_grad():
+            for name, param in lora.items():
+                param.copy_(written[name.replace(".default", "")].float())
+        assert probing.trainer_logprobs(model, autocast, prompt, completion) == trainer
 
 
 def test_a_server_without_runtime_lora_stops_the_run_in_one_sentence(trained_tiny, tmp_path):

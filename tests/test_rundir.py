@@ -53,7 +53,8 @@ def test_a_directory_that_holds_no_run_is_refused_in_one_sentence_and_left_untou
         sentence = str(error.value)
         assert sentence.startswith(f"{directory} holds other files (") and "\n" not in sentence, sentence
         assert sentence.endswith(
-            "and no run (no config.toml or provenance.json): give --output-dir a new or empty directory."
+            "and no run of this script (no config.toml or provenance.json that plainrl wrote for it): give "
+            "--output-dir a new or empty directory."
         )
         assert sorted(p.relative_to(directory) for p in directory.rglob("*")) == before
     # A SLURM job writes its script into the run directory before the run: that one is taken.
@@ -228,3 +229,32 @@ def test_on_two_ranks_only_rank_0_looks_at_the_run_directory(tiny_dir, tmp_path)
     for process, stderr in zip(ranks, errors):
         assert process.returncode == 2 and sentence in stderr and "Traceback" not in stderr, stderr[-3000:]
     assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "config.toml"]
+
+
+def test_a_folder_with_someone_elses_config_toml_or_provenance_json_is_no_run_and_stays_untouched(tmp_path):
+    """`config.toml` and `provenance.json` are common names (a Rust crate, a website): only the ones plainrl
+    writes make a run directory, a config.toml only for the script whose config it is."""
+    site, other = tmp_path / "site", tmp_path / "other"
+    write_files(site, "eval/results.csv", "weights/notes.txt", "README.md")
+    (site / "config.toml").write_text('[package]\nname = "mysite"\n')
+    write_files(other, "provenance.json", "notes.txt")
+    (other / "provenance.json").write_text('{"name": "mysite"}')
+    rl_run = tmp_path / "rl_run"  # an rl.py run that died before its provenance.json: not sft.py's to restart
+    write_config(config("rl", rl_run), rl_run / "config.toml")
+    write_files(rl_run, "tb/events")
+
+    def files(directory):
+        return {p.relative_to(directory): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
+
+    for directory in (site, other, rl_run):
+        before = files(directory)
+        with pytest.raises(UserError) as error:
+            open_dir(config("sft", directory))
+        sentence = str(error.value)
+        assert sentence.startswith(f"{directory} holds other files (") and "no run of this script" in sentence
+        assert files(directory) == before
+    # plainrl's own are still recognised: its provenance.json alone, or the script's own config.toml.
+    write_files(tmp_path / "sft_run", "tb/events")
+    write_config(config("sft", tmp_path / "sft_run"), tmp_path / "sft_run" / "config.toml")
+    assert open_dir(config("sft", tmp_path / "sft_run")) is None
+    assert (tmp_path / "sft_run" / "restarted").is_dir()

@@ -152,6 +152,25 @@ def test_refuses_a_secret_passed_to_the_servers_by_name(tmp_path):
     assert "--vllm.max-num-batched-tokens 64" in joined(text)
 
 
+def test_refuses_every_name_that_holds_a_secrets_word_and_not_a_tokenizer_or_a_token_count(tmp_path):
+    base = ["@", str(ROOT / "configs/tiny/rl.toml"), "--output-dir", "r"]
+    for option in [
+        "access-key=k",
+        "credentials=c",
+        "hf-auth=a",
+        "vllm.apikey=k",
+        "HF_TOKEN=t",
+        "vllm.oauth=o",
+    ]:
+        with pytest.raises(ValueError, match=f"slurm.serve '{option.partition('=')[0]}' would put a secret"):
+            render("rl", [*base, "--slurm.serve", option], tmp_path)
+    allowed = ["vllm.tokenizer=t", "vllm.skip-tokenizer-init=true", "vllm.max-num-batched-tokens=64"]
+    allowed.append("vllm.return-tokens-as-token-ids=true")
+    _, text = render("rl", [*base, "--slurm.serve", *allowed], tmp_path)
+    for option in allowed:
+        assert "--" + option.replace("=", " ") in joined(text), option
+
+
 def test_refuses_the_keys_value_anywhere_in_the_scripts_text_without_echoing_it(tmp_path, monkeypatch):
     key = "k3y-" + secrets.token_hex(8)
     monkeypatch.setenv("PLAINRL_API_KEY", key)

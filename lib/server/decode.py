@@ -129,11 +129,13 @@ def draw(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """A token a row from exp(logprobs) (B, V), by inverse transform: the first token whose cumulative
     probability passes the row's uniform number in [0, 1) (B,). The same distribution as vLLM's exponential
     race, argmax(p / E) with E ~ Exp(1), at one random number a row instead of one a token (Exp(1) noise for
-    64 rows of SmolLM2's 49,152 tokens took a third of a decode step on a CPU). The sums run in two levels:
-    float32 sums of SPAN tokens, added up in float64 over the spans, then a float64 cumulative sum inside
-    the span the number falls in; so 49k terms add up without drift, and a token of probability 0 (filtered
-    out) is never drawn. A float64 cumulative sum of the whole vocabulary took 1.8x as long (64 rows of
-    SmolLM2, one thread)."""
+    64 rows of SmolLM2's 49,152 tokens took a third of a decode step on a CPU). The search runs in two
+    levels: float32 sums of SPAN tokens, added up in float64 over the spans, pick a span; a float64
+    cumulative sum inside it picks the token, at the same share of the span's mass. The two levels' totals
+    differ by the float32 sum's rounding (~1e-7 of the span's); the share spreads it over the span's tokens
+    in proportion, so each is drawn with its probability to that relative precision (and 1e-16 of float64),
+    however small it is, and a token of probability 0 (filtered out) is never drawn. A float64 cumulative sum of the whole
+    vocabulary took 1.8x as long (64 rows of SmolLM2, one thread)."""
     probs = logprobs.exp()  # (B, V)
     if probs.shape[-1] % SPAN:
         probs = F.pad(probs, (0, SPAN - probs.shape[-1] % SPAN))  # zeros are never drawn
@@ -145,13 +147,15 @@ def draw(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     )  # (B, 1), < total
     span = torch.searchsorted(cumulative, target, right=True)  # (B, 1): a span of probability > 0
     before = torch.where(span > 0, cumulative.gather(-1, (span - 1).clamp(min=0)), 0.0)  # (B, 1)
+    share = (target - before) / (cumulative.gather(-1, span) - before)  # (B, 1): in [0, 1]
     inside = (
         spans.gather(1, span[..., None].expand(-1, -1, SPAN)).squeeze(1).double().cumsum_(-1)
     )  # (B, SPAN)
-    at = torch.searchsorted(inside, target - before, right=True)  # (B, 1)
-    # Rounding apart, the span's own sum may fall short of the target: its last token of probability > 0.
-    last = torch.searchsorted(inside, inside[:, -1:].contiguous())  # (B, 1)
-    return (span * SPAN + torch.minimum(at, last)).squeeze(-1)  # (B,)
+    last = inside[:, -1:]  # (B, 1)
+    at = torch.searchsorted(
+        inside, torch.minimum(share * last, torch.nextafter(last, torch.zeros_like(last))), right=True
+    )  # (B, 1)
+    return (span * SPAN + at).squeeze(-1)  # (B,)
 
 
 def processed_logprobs(
