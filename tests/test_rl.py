@@ -129,6 +129,18 @@ def test_an_attached_server_may_serve_the_model_under_another_name(tiny_dir, ser
     assert len(result["history"]) == 1
 
 
+def test_rl_trains_on_an_environment_from_one_python_file(tiny_dir, server, tmp_path):
+    from conftest import docs_env_file
+
+    path = docs_env_file(tmp_path)  # docs/environments.md's example, as a user copies it
+    short = ["--examples-per-step", "2", "--sampling.max-tokens", "8", "--max-async-level", "0"]
+    result = rl.main(rl_config(tiny_dir, tmp_path / "run", server.url, "--env.id", str(path), *short))
+    assert len(result["history"]) == 2 and any(learned(m) for m in result["history"])
+    assert all(0.0 < m["reward/mean"] < 1.0 for m in result["history"])  # partial credit, not a crash's 0
+    record = json.loads((tmp_path / "run" / "rollouts" / "step_1.jsonl").read_text().splitlines()[0])
+    assert "Add the two numbers" in record["prompt"]
+
+
 def test_a_run_whose_every_episode_fails_stops_with_the_error(tiny_dir, server, tmp_path, monkeypatch):
     import lib.producer
 
