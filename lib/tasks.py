@@ -313,14 +313,19 @@ def reference_answer(data) -> str | None:
     return answer if isinstance(answer, str) and answer else None
 
 
-def answer_conversation(data) -> list[dict]:
-    """The chat an episode shows the model (system prompt, prompt), answered with the task's answer."""
+def prompt_messages(data) -> list[dict]:
+    """The chat an episode shows the model first: the task's system prompt and prompt."""
     messages = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
     if isinstance(data.prompt, str):
         messages.append({"role": "user", "content": data.prompt})
     elif data.prompt:
         messages += [message.model_dump(exclude_none=True) for message in data.prompt]
-    return messages + [{"role": "assistant", "content": reference_answer(data)}]
+    return messages
+
+
+def answer_conversation(data) -> list[dict]:
+    """The chat an episode shows the model (system prompt, prompt), answered with the task's answer."""
+    return prompt_messages(data) + [{"role": "assistant", "content": reference_answer(data)}]
 
 
 def sft_conversations(env: EnvConfig) -> list:

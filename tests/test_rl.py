@@ -808,3 +808,12 @@ def test_a_resumed_run_rebuilds_the_reference_from_the_starting_weights(
     for before, after in zip(whole[2:], resumed):
         assert after["train/ref_kl"] == pytest.approx(before["train/ref_kl"], rel=1e-5, abs=1e-9)
         assert after["train/loss"] == pytest.approx(before["train/loss"], rel=1e-5, abs=1e-9)
+
+
+def test_a_seq_len_shorter_than_the_prompt_stops_before_any_rollout(tiny_dir, server, tmp_path, capsys):
+    # letter_taskset's prompt, "Say aaa 0." in the tiny model's chat template, is ~40 characters (tokens).
+    with pytest.raises(
+        ValueError, match=r"its first prompt is \d+ tokens with the chat template, and seq_len 16 "
+    ):
+        rl.main(rl_config(tiny_dir, tmp_path / "run", server.url, "--seq-len", "16"))
+    assert "rollout error" not in capsys.readouterr().out
