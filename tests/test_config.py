@@ -270,3 +270,24 @@ def test_only_a_user_error_is_one_sentence_other_value_errors_keep_their_traceba
     with pytest.raises(ValueError, match="batch_size") as raised:
         run_main(library_value_error, None)
     assert not isinstance(raised.value, UserError)
+
+
+def test_a_run_directory_or_a_checkpoint_as_model_name_points_at_the_runs_weights(tmp_path, monkeypatch):
+    from lib.model import check_model_name
+
+    monkeypatch.chdir(tmp_path)
+    run = Path("outputs/tiny/sft")
+    (run / "weights" / "step_40").mkdir(parents=True)
+    (run / "weights" / "step_40" / "config.json").write_text("{}")
+    (run / "checkpoints" / "step_40").mkdir(parents=True)
+    with pytest.raises(
+        ValueError, match=r"a run directory: give one of its weights, e.g. outputs/tiny/sft/weights/step_40\)"
+    ) as error:
+        check_model_name("outputs/tiny/sft")
+    assert "make tiny" not in str(error.value)
+    with pytest.raises(
+        ValueError, match=r"give outputs/tiny/sft/weights/step_40, or write one with scripts/export.py"
+    ):
+        check_model_name("outputs/tiny/sft/checkpoints/step_40")
+    with pytest.raises(ValueError, match="run `make tiny` to create it"):
+        check_model_name("outputs/models/tiny")
