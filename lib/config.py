@@ -196,15 +196,30 @@ def preset_to_flags(
 
 
 def _tyro_message(captured: str) -> str:
-    """Pulls the sentence out of tyro's boxed error message."""
-    lines = []
-    for line in captured.splitlines():
-        body = line.strip().strip("│╭╮╰╯").strip()
-        if re.fullmatch(r"[─━\s]*", body) and lines:
-            break
-        if body and not body.startswith("─"):
-            lines.append(body)
+    """Pulls the sentence out of tyro's error message (boxed on a terminal, plain elsewhere), with the flags
+    its "Perhaps you meant" offers."""
+    rows = [line.strip().strip("│╭╮╰╯").strip() for line in captured.splitlines()]
+    rows = [row for row in rows if row]
+
+    def is_rule(row: str) -> bool:
+        return re.fullmatch(r"[─━-]+", row) is not None
+
+    if captured.lstrip().startswith("╭"):  # the box's title line
+        rows = rows[1:]
+    elif len(rows) > 1 and is_rule(rows[1]):  # a plain title and its rule
+        rows = rows[2:]
+    sections = [[]]
+    for row in rows:
+        if is_rule(row):
+            sections.append([])
+        else:
+            sections[-1].append(row)
+    lines = next((section for section in sections if section), [])
     text = " ".join(lines) or captured.strip() or "invalid arguments."
+    meant = [s for s in sections if s and s[0].startswith("Perhaps you meant")]
+    flags = [line.split()[0] for line in (meant[0][1:] if meant else []) if line.startswith("-")]
+    if flags:
+        text = f"{text.rstrip('.')} (did you mean {' or '.join(flags[:3])}?)"
     text = re.sub(r"^(Error parsing )?\w*Config: ", "", text).replace("Error parsing ", "")
     text = re.sub(
         r"^(\w+): (?=\1[._])", "", text

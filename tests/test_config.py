@@ -291,3 +291,11 @@ def test_a_run_directory_or_a_checkpoint_as_model_name_points_at_the_runs_weight
         check_model_name("outputs/tiny/sft/checkpoints/step_40")
     with pytest.raises(ValueError, match="run `make tiny` to create it"):
         check_model_name("outputs/models/tiny")
+
+
+def test_a_misspelt_flag_gets_a_did_you_mean(capsys):
+    rl = load_script("rl")
+    with pytest.raises(SystemExit) as ended:
+        parse(rl.Config, ["--stpes", "3"])
+    assert ended.value.code == 2
+    assert capsys.readouterr().err == "error: Unrecognized options: --stpes, 3 (did you mean --steps?).\n"
