@@ -219,8 +219,8 @@ def hf_rows(taskset: str, dataset: str, split: str, source: str) -> list[dict] |
         return None
     if source == "auto" and not hub_reachable():
         print(
-            f"{taskset}: the Hugging Face hub is unreachable or HF_HUB_OFFLINE is set: synthetic data instead of "
-            f"{dataset} (the argument source=hf loads a cached copy)",
+            f"{taskset}: synthetic data instead of {dataset}\n"
+            "  (the Hugging Face hub is unreachable or HF_HUB_OFFLINE is set; source=hf loads a cached copy)",
             file=sys.stderr,
         )
         return None

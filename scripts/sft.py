@@ -106,7 +106,7 @@ def main(cfg: Config) -> dict:
     from lib.config import to_dict
     from lib.data import batch_indices, check_data, load_conversations, tokenize_all
     from lib.head import next_token_scores
-    from lib.log import RunLog, say
+    from lib.log import RunLog, plural, say
     from lib.model import check_model_name, load_tokenizer, load_trainable, resolve_device
     from lib.optim import build_optimizer, optimizer_step
     from lib.packing import sft_rows
@@ -144,10 +144,10 @@ def main(cfg: Config) -> dict:
     per_rank = cfg.batch_size // world_size
     lengths = [len(ids) for ids, _ in samples]
     say(
-        f"data {cfg.data.id}: {len(conversations)} conversations, {len(samples)} samples, "
-        f"{sum(lengths) / len(lengths):.0f} tokens on average, {truncated} cut to seq_len {cfg.seq_len}; "
-        f"{cfg.batch_size // (cfg.micro_batch_size * world_size)} micro-batches of {cfg.micro_batch_size} "
-        f"per rank per step, packing {'on' if cfg.packing else 'off'}"
+        f"data {cfg.data.id}: {plural(len(conversations), 'conversation')}, {plural(len(samples), 'sample')}, "
+        f"{sum(lengths) / len(lengths):.0f} tokens on average, {truncated} cut to seq_len {cfg.seq_len}",
+        f"  {plural(cfg.batch_size // (cfg.micro_batch_size * world_size), 'micro-batch')} of "
+        f"{cfg.micro_batch_size} per rank per step, packing {'on' if cfg.packing else 'off'}",
     )
 
     # ------------------------------------------------------------ dist and model

@@ -342,10 +342,24 @@ def test_benchmarks_name_the_cpu_by_model_and_family_and_count_its_cores():
 
 @pytest.mark.parametrize("extra", [[], ["--lora.rank", "4", "--lora.alpha", "8"]], ids=["full", "lora"])
 def test_export_writes_a_checkpoint_as_the_hugging_face_directory_the_run_wrote(
-    tiny_dir, data_file, tmp_path, extra
+    tiny_dir, data_file, tmp_path, extra, capsys
 ):
     export = load_script("export")
-    run(*flags(tiny_dir, data_file, tmp_path / "run", "--checkpoint-every", "2", *extra))
+    run(
+        *flags(
+            tiny_dir,
+            data_file,
+            tmp_path / "run",
+            "--checkpoint-every",
+            "2",
+            "--micro-batch-size",
+            "4",
+            *extra,
+        )
+    )
+    out = capsys.readouterr().out
+    assert "  1 micro-batch of 4 per rank per step" in out, out
+    assert all(len(line) <= 100 for line in out.splitlines() if str(tmp_path.parents[1]) not in line), out
     # weights/step_2 and step_4 are what the run wrote (its last two); the export rebuilds step_2's from its
     # checkpoint alone, LoRA merged.
     checkpoint = tmp_path / "run" / "checkpoints" / "step_2"
