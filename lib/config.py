@@ -30,7 +30,7 @@ from lib import rundir
 # What a file or wandb gets in place of an API key.
 REDACTED = "<redacted>"
 KEY_VARIABLE = "PLAINRL_API_KEY"
-USAGE = "Presets: `@ file.toml` (several allowed, deep-merged, later wins) before any --flag; flags override them."
+USAGE = "Presets: `@ file.toml` (several, deep-merged, later wins) before any --flag; flags override them."
 
 
 class UserError(ValueError):
@@ -227,6 +227,42 @@ def _tyro_message(captured: str) -> str:
     return text.rstrip(".") + "."
 
 
+def wrap_help(text: str, width: int = 100) -> str:
+    """tyro's --help with its long lines outside the option boxes (which fit the terminal) wrapped to `width`:
+    tyro prints each paragraph of a script's docstring as one line."""
+    import textwrap
+
+    logical, hang = [], None  # a list item's own lines joined, to be wrapped under its text
+    for line in text.splitlines():
+        body = line.lstrip()
+        if hang is not None and body and len(line) - len(body) == hang and not re.match(r"\d+\. |- ", body):
+            logical[-1] += " " + body
+            continue
+        item = re.match(r"\d+\. |- ", body)
+        hang = len(line) - len(body) + len(item.group()) if item else None
+        logical.append(line)
+    lines = []
+    for line in logical:
+        if len(line) > width:  # a command's aligned comment comes closer first
+            line = re.sub(r"(\S) {3,}# ", r"\1  # ", line)
+        body = line.lstrip()
+        if len(line) <= width or body.startswith(("│", "╭", "╰")):
+            lines.append(line)
+            continue
+        indent = len(line) - len(body)
+        item = re.match(r"\d+\. |- ", body)  # a list item's lines go under its text; a command's further in
+        hang = len(item.group()) if item else 4 if indent >= 4 else 0
+        lines += textwrap.wrap(
+            body,
+            width,
+            initial_indent=" " * indent,
+            subsequent_indent=" " * (indent + hang),
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+    return "\n".join(lines) + "\n"
+
+
 def parse(config_class: type, argv: list[str] | None = None, description: str | None = None):
     """Builds `config_class` from defaults < TOML presets (in order) < CLI flags. With --resume in a run
     directory, the run's own config takes the presets' place (resumed)."""
@@ -236,7 +272,12 @@ def parse(config_class: type, argv: list[str] | None = None, description: str | 
     flags = preset_to_flags(config_class, presets) + rest
     if "-h" in rest or "--help" in rest:
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `--help | head` ends quietly, as other CLIs do
-        return tyro.cli(config_class, args=flags, description=f"{description or ''}\n\n{USAGE}")
+        captured = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(captured):
+                return tyro.cli(config_class, args=flags, description=f"{description or ''}\n\n{USAGE}")
+        finally:
+            sys.stdout.write(wrap_help(captured.getvalue()))
     config = _cli(config_class, flags, description)
     if getattr(config, "resume", False):
         try:

@@ -299,3 +299,15 @@ def test_a_misspelt_flag_gets_a_did_you_mean(capsys):
         parse(rl.Config, ["--stpes", "3"])
     assert ended.value.code == 2
     assert capsys.readouterr().err == "error: Unrecognized options: --stpes, 3 (did you mean --steps?).\n"
+
+
+@pytest.mark.parametrize("script", ["rl", "sft", "eval", "serve", "export"])
+def test_help_keeps_within_100_columns(script, capsys, monkeypatch):
+    # tyro prints each paragraph of a script's docstring as one line (rl.py's: 297 columns); its option
+    # boxes fit the terminal.
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit) as ended:
+        parse(load_script(script).Config, ["--help"], description=load_script(script).__doc__)
+    assert ended.value.code == 0
+    out = capsys.readouterr().out
+    assert "Usage:" in out and all(len(line) <= 100 for line in out.splitlines()), out
