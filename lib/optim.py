@@ -66,8 +66,8 @@ def build_optimizer(params, config: OptimConfig, total_steps: int):
 
     if warmup_steps(config, total_steps) != config.warmup_steps:
         say(
-            f"optim.warmup_steps {config.warmup_steps} is not shorter than the run's {total_steps} steps: "
-            f"warming up over {warmup_steps(config, total_steps)} instead (--optim.warmup-steps sets it)"
+            f"optim.warmup_steps {config.warmup_steps} is not shorter than the run ({total_steps} steps): "
+            f"warming up over {warmup_steps(config, total_steps)} steps instead"
         )
 
     trainable = [p for p in params if p.requires_grad]
