@@ -119,10 +119,9 @@ def key_warnings(host: str, port: int, api_key: str | None) -> list[str]:
     if host not in ("127.0.0.1", "localhost", "::1"):
         warnings.append(f"binding {host}: the admin routes (pause, reload) are reachable from the network.")
     if api_key is None:
-        who = f"anyone who can reach {host}:{port}" if warnings else "every user of this machine"
+        who = f"anyone who can reach {host}:{port}" if warnings else "every local user"
         warnings.append(
-            f"no API key ($PLAINRL_API_KEY is unset): {who} can use, pause and reload this server "
-            "(README: Running the scripts says how to make ~/.plainrl_key)."
+            f"no API key ($PLAINRL_API_KEY unset): {who} can use and reload it (README: ~/.plainrl_key)"
         )
     return warnings
 
