@@ -364,7 +364,7 @@ def test_eval_during_rl_scores_held_out_tasks_and_every_record_reaches_wandb(
     console = capsys.readouterr().out.splitlines()
     steps = [line for line in console if line.startswith("step ")]
     assert [line.split()[1] for line in steps] == ["1/3", "2/3", "3/3"]
-    assert all(len(line) <= 100 and "reward" in line and "(rollouts" in line for line in steps), steps
+    assert all(len(line) <= 100 and "reward" in line and "s: rollouts" in line for line in steps), steps
     (sample,) = [i for i, line in enumerate(console) if line.startswith("sample at step 3, reward ")]
     assert console[sample + 1].startswith("  user: Say aaa"), console[sample + 1]
     assert console[sample + 2].startswith("  completion:"), console[sample + 2]
