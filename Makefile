@@ -49,10 +49,12 @@ else
 LAUNCH := $(VENV)/bin/torchrun --nnodes $(NNODES) --node-rank $(NODE_RANK) --nproc-per-node $(NPROC) \
 	--rdzv-endpoint $(RDZV_ENDPOINT) --shutdown-timeout 600
 endif
-EVAL_ENV := $(if $(filter tiny smollm2,$(ENV)),reverse_text,$(ENV))#  the CPU presets run reverse_text
+EVAL_ENV := $(if $(filter tiny smollm2,$(ENV)),reverse_text,$(if $(filter tiny_calculator,$(ENV)),plainrl_calculator,$(ENV)))#  the CPU presets' environments
 # eval.py takes one environment: ENV=mix evaluates each of the mixture's in turn.
 EVAL_ENVS := $(if $(filter mix,$(ENV)),reverse_text alphabet_sort plainrl_calculator,$(EVAL_ENV))
 MODEL_FLAG := $(if $(MODEL),--model.name $(MODEL))
+# configs/$(ENV)/<stage>.toml, or (when the recipe runs) an error that lists the presets that have that stage.
+preset = $(if $(wildcard configs/$(ENV)/$(1).toml),configs/$(ENV)/$(1).toml,$(error no preset configs/$(ENV)/$(1).toml: ENV is one of $(sort $(patsubst configs/%/$(1).toml,%,$(wildcard configs/*/$(1).toml)))))
 OUT_FLAG := $(if $(OUTPUT_DIR),--output-dir $(OUTPUT_DIR))
 VLLM_FLAGS := $(if $(TP),--vllm.tensor-parallel-size $(TP)) $(if $(DP),--vllm.data-parallel-size $(DP)) \
 	$(if $(DP_LOCAL),--vllm.data-parallel-size-local $(DP_LOCAL)) $(if $(DP_ADDRESS),--vllm.data-parallel-address $(DP_ADDRESS)) \
@@ -99,7 +101,7 @@ test-quick: setup  ## the inner loop: every test but the slow ones (real vLLM, m
 lint: setup  ## ruff check + format check
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
-lock: setup  ## regenerate requirements.lock and requirements-vllm.lock from pyproject.toml
+lock: setup  ## regenerate requirements.lock, requirements-vllm.lock and requirements-vllm-cpu.lock from pyproject.toml
 	UV=$(VENV)/bin/uv bash ci/lock.sh
 
 tiny: setup  ## write the tiny CPU model to TINY_DIR
@@ -120,16 +122,16 @@ demo-arithmetic: setup-smollm2  ## RL with no SFT: SmolLM2-135M-Instruct on plai
 demo-tiny: setup  ## the same with the 0.16M-parameter toy model (~10 min on 2 cores) [ARGS="--out DIR"]
 	$(strip $(PY) scripts/demo.py --model tiny $(ARGS))
 
-sft: setup  ## supervised warm-up: make sft ENV=reverse_text|tiny|mix [NPROC=8] [MODEL=...]
-	$(strip $(LAUNCH) scripts/sft.py @ configs/$(ENV)/sft.toml $(MODEL_FLAG) $(OUT_FLAG)) $(ARGS)
+sft: setup  ## supervised warm-up: make sft ENV=reverse_text|tiny|smollm2|tiny_calculator|mix [NPROC=8] [MODEL=...]
+	$(strip $(LAUNCH) scripts/sft.py @ $(call preset,sft) $(MODEL_FLAG) $(OUT_FLAG)) $(ARGS)
 
-rl: setup  ## RL: make rl ENV=reverse_text|alphabet_sort|tiny|mix [INFERENCE_URL=...] [NPROC=...]
-	$(strip $(LAUNCH) scripts/rl.py @ configs/$(ENV)/rl.toml $(MODEL_FLAG) $(OUT_FLAG) \
+rl: setup  ## RL: make rl ENV=reverse_text|alphabet_sort|tiny|smollm2|tiny_calculator|mix [INFERENCE_URL=...] [NPROC=...]
+	$(strip $(LAUNCH) scripts/rl.py @ $(call preset,rl) $(MODEL_FLAG) $(OUT_FLAG) \
 		$(if $(INFERENCE_URL),--inference.urls $(INFERENCE_URL))) $(ARGS)
 
-eval: setup  ## evaluate: make eval ENV=reverse_text|mix MODEL=... [BASE_URL=http://host:8000/v1] [N=100 R=4]
+eval: setup  ## evaluate: make eval ENV=reverse_text|alphabet_sort|tiny|smollm2|tiny_calculator|mix MODEL=... [BASE_URL=...] [N=100 R=4]
 	$(foreach e,$(EVAL_ENVS),$(if $(filter-out $(firstword $(EVAL_ENVS)),$(e)),&&) $(strip $(PY) \
-		scripts/eval.py $(e) @ configs/$(ENV)/eval.toml $(MODEL_FLAG) $(if $(N),-n $(N)) $(if $(R),-r $(R)) \
+		scripts/eval.py $(e) @ $(call preset,eval) $(MODEL_FLAG) $(if $(N),-n $(N)) $(if $(R),-r $(R)) \
 		$(if $(BASE_URL),-b $(BASE_URL))) $(ARGS))
 
 serve: setup  ## serve: make serve MODEL=DIR [PORT=8000] [ENGINE=auto|torch|vllm] [TP= DP= ... HEADLESS=1]

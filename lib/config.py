@@ -30,7 +30,7 @@ from lib import rundir
 # What a file or wandb gets in place of an API key.
 REDACTED = "<redacted>"
 KEY_VARIABLE = "PLAINRL_API_KEY"
-USAGE = "Presets: `@ file.toml` (several allowed, deep-merged, later wins) before any --flag; flags override them."
+USAGE = "Presets: `@ file.toml` (several, deep-merged, later wins) before any --flag; flags override them."
 
 
 class UserError(ValueError):
@@ -196,20 +196,71 @@ def preset_to_flags(
 
 
 def _tyro_message(captured: str) -> str:
-    """Pulls the sentence out of tyro's boxed error message."""
-    lines = []
-    for line in captured.splitlines():
-        body = line.strip().strip("│╭╮╰╯").strip()
-        if re.fullmatch(r"[─━\s]*", body) and lines:
-            break
-        if body and not body.startswith("─"):
-            lines.append(body)
+    """Pulls the sentence out of tyro's error message (boxed on a terminal, plain elsewhere), with the flags
+    its "Perhaps you meant" offers."""
+    rows = [line.strip().strip("│╭╮╰╯").strip() for line in captured.splitlines()]
+    rows = [row for row in rows if row]
+
+    def is_rule(row: str) -> bool:
+        return re.fullmatch(r"[─━-]+", row) is not None
+
+    if captured.lstrip().startswith("╭"):  # the box's title line
+        rows = rows[1:]
+    elif len(rows) > 1 and is_rule(rows[1]):  # a plain title and its rule
+        rows = rows[2:]
+    sections = [[]]
+    for row in rows:
+        if is_rule(row):
+            sections.append([])
+        else:
+            sections[-1].append(row)
+    lines = next((section for section in sections if section), [])
     text = " ".join(lines) or captured.strip() or "invalid arguments."
+    meant = [s for s in sections if s and s[0].startswith("Perhaps you meant")]
+    flags = [line.split()[0] for line in (meant[0][1:] if meant else []) if line.startswith("-")]
+    if flags:
+        text = f"{text.rstrip('.')} (did you mean {' or '.join(flags[:3])}?)"
     text = re.sub(r"^(Error parsing )?\w*Config: ", "", text).replace("Error parsing ", "")
     text = re.sub(
         r"^(\w+): (?=\1[._])", "", text
     )  # "sampling: sampling.top_p must ..." -> "sampling.top_p must ..."
     return text.rstrip(".") + "."
+
+
+def wrap_help(text: str, width: int = 100) -> str:
+    """tyro's --help with its long lines outside the option boxes (which fit the terminal) wrapped to `width`:
+    tyro prints each paragraph of a script's docstring as one line."""
+    import textwrap
+
+    logical, hang = [], None  # a list item's own lines joined, to be wrapped under its text
+    for line in text.splitlines():
+        body = line.lstrip()
+        if hang is not None and body and len(line) - len(body) == hang and not re.match(r"\d+\. |- ", body):
+            logical[-1] += " " + body
+            continue
+        item = re.match(r"\d+\. |- ", body)
+        hang = len(line) - len(body) + len(item.group()) if item else None
+        logical.append(line)
+    lines = []
+    for line in logical:
+        if len(line) > width:  # a command's aligned comment comes closer first
+            line = re.sub(r"(\S) {3,}# ", r"\1  # ", line)
+        body = line.lstrip()
+        if len(line) <= width or body.startswith(("│", "╭", "╰")):
+            lines.append(line)
+            continue
+        indent = len(line) - len(body)
+        item = re.match(r"\d+\. |- ", body)  # a list item's lines go under its text; a command's further in
+        hang = len(item.group()) if item else 4 if indent >= 4 else 0
+        lines += textwrap.wrap(
+            body,
+            width,
+            initial_indent=" " * indent,
+            subsequent_indent=" " * (indent + hang),
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+    return "\n".join(lines) + "\n"
 
 
 def parse(config_class: type, argv: list[str] | None = None, description: str | None = None):
@@ -221,7 +272,12 @@ def parse(config_class: type, argv: list[str] | None = None, description: str | 
     flags = preset_to_flags(config_class, presets) + rest
     if "-h" in rest or "--help" in rest:
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `--help | head` ends quietly, as other CLIs do
-        return tyro.cli(config_class, args=flags, description=f"{description or ''}\n\n{USAGE}")
+        captured = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(captured):
+                return tyro.cli(config_class, args=flags, description=f"{description or ''}\n\n{USAGE}")
+        finally:
+            sys.stdout.write(wrap_help(captured.getvalue()))
     config = _cli(config_class, flags, description)
     if getattr(config, "resume", False):
         try:

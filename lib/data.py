@@ -1,4 +1,4 @@
-"""SFT data: conversations from a taskset, a JSONL file or a Hugging Face dataset, tokenized, in a seeded epoch order."""
+"""SFT data: conversations from a taskset, a local data file or a Hugging Face dataset, tokenized, in a seeded epoch order."""
 
 import functools
 import json
@@ -49,8 +49,60 @@ def with_tools(row: dict, messages: list[dict]) -> list[dict] | dict:
     return {"messages": messages, "tools": row["tools"]} if row.get("tools") else messages
 
 
+def check_data(env) -> None:
+    """sft.py's data checked before its run directory: ids as lib.tasks.check_env_ids checks them, and every
+    local data file read and its records checked (the read is kept for load_conversations)."""
+    from lib.tasks import DATA_FILES, check_env_ids, env_configs
+
+    check_env_ids(env, data=True)
+    for config in env_configs(env):
+        if config.id.endswith(DATA_FILES):
+            check_data_file(config.id)
+
+
+def check_data_file(source: str) -> list[list[dict] | dict]:
+    """The conversations of a local .jsonl (a record a line), .json (a list of records, or a record a line)
+    or .parquet file; a missing, unreadable or wrongly keyed file ends in one sentence that names it."""
+    path = Path(source).expanduser()
+    if not path.is_file():
+        raise UserError(f"data file {source} does not exist.")
+    return read_data_file(source, path.resolve(), path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)  # sft.py checks the file before its run directory, then trains on it
+def read_data_file(source: str, path: Path, modified_ns: int) -> list[list[dict] | dict]:
+    try:
+        if source.endswith(".parquet"):
+            import pyarrow.parquet
+
+            rows = pyarrow.parquet.read_table(path).to_pylist()
+        else:
+            text = path.read_text()
+            whole = source.endswith(".json") and text.lstrip().startswith("[")
+            rows = (
+                json.loads(text)
+                if whole
+                else [json.loads(line) for line in text.splitlines() if line.strip()]
+            )
+    except (ValueError, OSError) as error:  # json's and pyarrow's errors are ValueErrors
+        raise UserError(f"data file {source} could not be read ({error}).") from None
+    conversations = []
+    for number, row in enumerate(rows, start=1):
+        if not isinstance(row, dict):
+            raise UserError(f"data file {source}: record {number} is not an object.")
+        try:
+            conversations.append(with_tools(row, to_messages(row)))
+        except (UserError, KeyError, TypeError):
+            raise UserError(
+                f"data file {source}: record {number} needs `messages` (a list of role/content messages) or "
+                f"`prompt` + `completion`, got keys {sorted(row)}."
+            ) from None
+    return conversations
+
+
 def load_conversations(env) -> list[list[dict] | dict]:
-    """Conversations from `env.id`: a .jsonl path, a Hugging Face dataset id (has a `/`), or a taskset id.
+    """Conversations from `env.id`: a local .jsonl/.json/.parquet file, a Hugging Face dataset id (has a `/`), or a
+    taskset id (an environment file too, when its examples have an `answer`).
 
     A conversation is its list of messages, or {"messages": [...], "tools": [...]} when it offers tools.
     A mixture (env.mix) gives every environment's conversations, each its own num_examples of them (the
@@ -60,14 +112,11 @@ def load_conversations(env) -> list[list[dict] | dict]:
         from lib.mixture import env_configs
 
         return [conversation for config in env_configs(env) for conversation in load_conversations(config)]
+    from lib.tasks import DATA_FILES
+
     source = env.id
-    if source.endswith(".jsonl"):
-        path = Path(source)
-        if not path.is_file():
-            raise UserError(f"data file {source} does not exist.")
-        lines = [line for line in path.read_text().splitlines() if line.strip()]
-        rows = [json.loads(line) for line in lines]
-        conversations = [with_tools(row, to_messages(row)) for row in rows]
+    if source.endswith(DATA_FILES):
+        conversations = check_data_file(source)
     elif "/" in source:
         import datasets
 

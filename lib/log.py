@@ -5,6 +5,7 @@ import dataclasses
 import html
 import importlib.util
 import json
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -109,7 +110,33 @@ def say(*lines: str) -> None:
 
 
 def fmt(value: float) -> str:
+    """0.5, 3.000e-04, 25k: the console's numbers (the thousands as rl.py's step line writes them)."""
+    if value >= 1000:
+        return thousands(value)
     return f"{value:.3e}" if value and (abs(value) < 1e-3 or abs(value) >= 1e5) else f"{value:.4g}"
+
+
+def plural(count: int, noun: str) -> str:
+    """1 micro-batch, 2 micro-batches."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}{'es' if noun.endswith(('s', 'ch')) else 's'}"
+
+
+def wrap(head: str, items: list[str], width: int = 100) -> list[str]:
+    """`head` then the items two spaces apart, on lines of at most `width` columns (the next ones indented)."""
+    lines = [head]
+    for item in items:
+        if len(lines[-1]) + 2 + len(item) > width and lines[-1].strip():
+            lines.append("   ")
+        lines[-1] += f"  {item}" if lines[-1].strip() else item
+    return lines
+
+
+def tensorboard_command() -> str:
+    """tensorboard as this python's environment has it (.venv/bin/tensorboard; make users have no PATH to it)."""
+    installed = Path(sys.executable).parent / "tensorboard"
+    if not installed.is_file():
+        return "tensorboard"
+    return str(installed.relative_to(Path.cwd())) if installed.is_relative_to(Path.cwd()) else str(installed)
 
 
 def thousands(value: float) -> str:
@@ -125,8 +152,8 @@ def shorten(text: str, width: int) -> str:
 
 def rl_line(values: dict[str, float], previous: dict[str, float] | None) -> str:
     """rl.py's console line: the reward and its change since the previous step (a mixture's per environment),
-    the step's seconds and what it waited for (an evaluation among them), and tokens per second. Every other
-    metric: tensorboard."""
+    the step's seconds and what it waited for (an evaluation among them), and tokens per second sampled and
+    trained. Every other metric: tensorboard."""
     reward = values["reward/mean"]
     line = f"reward {reward:.3f}" + (f" ({reward - previous['reward/mean']:+.3f})" if previous else "")
     names = [name.split("/")[1] for name in values if name.startswith("env/") and name.endswith("/groups")]
@@ -134,16 +161,13 @@ def rl_line(values: dict[str, float], previous: dict[str, float] | None) -> str:
         # None: the environment had no group this step.
         rewards = [(name, values.get(f"env/{name}/reward/mean")) for name in names]
         line += " [" + ", ".join(f"{name} {'-' if r is None else f'{r:.3f}'}" for name, r in rewards) + "]"
-    rollouts, sync = values["time/wait_rollouts"], values["time/wait_sync"]
-    waits = f"{rollouts:.2f} s for rollouts, {sync:.2f} s for the weight sync"
+    # Within 100 columns with "step 1000/1000  " before it: seconds waited for rollouts, the weight sync, an eval.
+    waits = f"rollouts {values['time/wait_rollouts']:.1f}, sync {values['time/wait_sync']:.1f}"
     evaluated = [v for name, v in values.items() if name.startswith("eval/") and name.endswith("seconds")]
     if evaluated:
-        waits += f", {sum(evaluated):.2f} s for the evaluation"
-    return (
-        f"{line}  {values['time/step']:.1f} s: waited {waits}  "
-        f"{thousands(values['perf/rollout_tokens_per_second'])} tokens/s sampled, "
-        f"{thousands(values['perf/tokens_per_second'])} trained"
-    )
+        waits += f", eval {sum(evaluated):.1f}"
+    sampled, trained = values["perf/rollout_tokens_per_second"], values["perf/tokens_per_second"]
+    return f"{line}  {values['time/step']:.1f} s: {waits}  {thousands(sampled)}/{thousands(trained)} tok/s sampled/trained"
 
 
 class RunLog:
@@ -232,17 +256,14 @@ class RunLog:
         self.previous = values
         self.progress.update(self.task, completed=step, metrics=summary)
         if step % self.print_every == 0:
-            say(f"step {step}/{self.total_steps}  {summary}")
+            say(*wrap(f"step {step}/{self.total_steps}", summary.split("  ")))
 
     def evaluation(self, step: int, values: dict[str, float]) -> None:
         """Logs an evaluation's eval/* scalars at `step` (0 = before training) with one console line."""
         if not self.enabled:
             return
         self._record(step, values)
-        say(
-            f"eval at step {step}  "
-            + "  ".join(f"{k.removeprefix('eval/')} {fmt(v)}" for k, v in values.items())
-        )
+        say(*wrap(f"eval at step {step}", [f"{k.removeprefix('eval/')} {fmt(v)}" for k, v in values.items()]))
 
     def flush(self) -> None:
         """Puts every event so far on disk (call it with each checkpoint: a killed run keeps its curves)."""
@@ -292,7 +313,7 @@ class RunLog:
                 f"weights:     {weights}",
                 f"curve:       {curve}",
                 f"metrics:     {self.metrics_path}   (a line per step: docs/metrics.md)",
-                f"tensorboard: tensorboard --logdir {self.run_dir / 'tb'}",
+                f"tensorboard: {tensorboard_command()} --logdir {self.run_dir / 'tb'}",
             )
         say(f"run dir: {self.run_dir}")
 

@@ -99,6 +99,7 @@ def load_mixture(cfg, url: str, model: str, api_key: str | None, out: Path, prog
             prefix, where = ("eval", out) if len(configs) == 1 else (f"eval/{config.id}", out / config.id)
             evaluators[prefix] = Evaluator(cfg, held_out, url, model, api_key, where, config, prefix)
         sources.append(Source(config.id, env, tasks, config.ratio))
+    check_prompts_fit(sources, cfg, url, api_key)
     mixture = Mixture(sources, cfg.seed)
     mixture.restore(progress, progress.get("step", 0) * cfg.examples_per_step)
     if len(configs) == 1:
@@ -124,3 +125,29 @@ class Evaluations:
         }
         self.history.append((step, {f"eval/{key}": sum(v) / len(v) for key, v in rewards.items() if v}))
         return metrics
+
+
+def check_prompts_fit(sources: list[Source], cfg, url: str, api_key: str | None) -> None:
+    """A one-sentence UserError, before any rollout, when an environment's first prompt (rendered with the
+    model's chat template) leaves no room for a reply in seq_len or in the server's max_model_len: every
+    rollout of the run would fail on it."""
+    from lib.endpoint import model_card
+    from lib.model import load_tokenizer
+    from lib.tasks import prompt_messages
+
+    tokenizer = load_tokenizer(cfg.model.name)
+    served = model_card(url, api_key).get("max_model_len") or cfg.seq_len
+    room = f"seq_len {cfg.seq_len}" if cfg.seq_len <= served else f"{url} (max_model_len {served})"
+    for source in sources:
+        stream = source.tasks
+        task = next(iter(stream.taskset.take(1))) if stream.endless else stream[0]
+        encoded = tokenizer.apply_chat_template(
+            prompt_messages(task.data), add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        length = len(encoded["input_ids"])
+        if length >= min(cfg.seq_len, served):
+            raise UserError(
+                f"environment {source.name}: its first prompt is {length} tokens with the chat template, and "
+                f"{room} leaves no room for a reply: raise --seq-len to at least {length + 1} "
+                f"({length + cfg.sampling.max_tokens} for replies of sampling.max_tokens)"
+            )

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 import tyro
 
+from lib import rundir
 from lib.config import UserError
 
 if TYPE_CHECKING:
@@ -148,10 +149,21 @@ def check_model_name(name: str) -> None:
     looks_local = name.startswith((".", "/", "~")) or name.startswith("outputs") or Path(name).exists()
     if looks_local and not (Path(name).expanduser() / "config.json").is_file():
         sft_run = re.search(r"(?:^|/)outputs/([^/]+)/sft/weights/step_\d+/?$", name)
+        checkpoint = re.search(r"^(.*)/checkpoints/(step_\d+)/?$", name)
+        path = Path(name).expanduser()
         if sft_run:  # a preset's SFT stage that has not run yet
             hint = f" (run `make sft ENV={sft_run.group(1)}` to create it)"
+        elif checkpoint:  # a resumable checkpoint: its servable twin, or an export of it
+            hint = (
+                f" (a resumable checkpoint: give {checkpoint.group(1)}/weights/{checkpoint.group(2)}, "
+                f"or write one with scripts/export.py {name})"
+            )
+        elif (path / rundir.WEIGHTS).is_dir():  # a run directory: its newest weights
+            steps = sorted(path.glob(f"{rundir.WEIGHTS}/step_*"), key=lambda p: int(p.name.split("_")[-1]))
+            example = steps[-1] if steps else path / rundir.WEIGHTS / "step_N"
+            hint = f" (a run directory: give one of its weights, e.g. {example})"
         else:
-            hint = " (run `make tiny` to create it)" if "tiny" in name else ""
+            hint = " (run `make tiny` to create it)" if re.search(r"models/tiny/?$", name) else ""
         raise UserError(f"model.name {name} is not a Hugging Face model directory{hint}.")
     if not looks_local:
         check_hub(name)

@@ -22,7 +22,7 @@ class OptimConfig:
     schedule: Literal["constant", "linear", "cosine"] = "constant"
     """Decay after warm-up, down to min_lr_ratio * lr at the last step."""
     warmup_steps: int = 0
-    """Steps of linear warm-up from 0 to lr."""
+    """Steps of linear warm-up from 0 to lr; one as long as the run or longer is cut to a tenth of the run."""
     min_lr_ratio: float = 0.0
     """Final learning rate as a fraction of lr (linear and cosine)."""
 
@@ -35,13 +35,20 @@ class OptimConfig:
             raise UserError("optim.min_lr_ratio must be in [0, 1].")
 
 
+def warmup_steps(config: OptimConfig, total_steps: int) -> int:
+    """The warm-up the run takes: config.warmup_steps, or a tenth of the run when that is not shorter than the
+    run (a preset's warm-up kept by a shortened run would never reach the peak, nor decay)."""
+    return config.warmup_steps if config.warmup_steps < total_steps else total_steps // 10
+
+
 def lr_factor(config: OptimConfig, step: int, total_steps: int) -> float:
     """Multiplier of config.lr at `step` (0-based)."""
-    if step < config.warmup_steps:
-        return (step + 1) / config.warmup_steps
+    warmup = warmup_steps(config, total_steps)
+    if step < warmup:
+        return (step + 1) / warmup
     if config.schedule == "constant":
         return 1.0
-    progress = min(1.0, (step - config.warmup_steps) / max(1, total_steps - config.warmup_steps - 1))
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup - 1))
     if config.schedule == "linear":
         decay = 1.0 - progress
     elif config.schedule == "cosine":
@@ -52,8 +59,16 @@ def lr_factor(config: OptimConfig, step: int, total_steps: int) -> float:
 
 
 def build_optimizer(params, config: OptimConfig, total_steps: int):
-    """AdamW plus a LambdaLR scheduler stepping once per optimizer step."""
+    """AdamW plus a LambdaLR scheduler stepping once per optimizer step (a warm-up cut to fit says so)."""
     import torch
+
+    from lib.log import say
+
+    if warmup_steps(config, total_steps) != config.warmup_steps:
+        say(
+            f"optim.warmup_steps {config.warmup_steps} is not shorter than the run ({total_steps} steps): "
+            f"warming up over {warmup_steps(config, total_steps)} steps instead"
+        )
 
     trainable = [p for p in params if p.requires_grad]
     # On a CPU torch's default AdamW loops over tensors in several passes each: the fused kernel takes one,

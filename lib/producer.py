@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import re
 import threading
 import time
 
@@ -65,6 +66,8 @@ class Producer:
         self.num_too_long = 0  # rollouts in groups dropped for a rollout longer than seq_len
         self.num_errors = 0  # in the whole run
         self.errors: list[str] = []
+        # Each kind of error (its message, numbers aside) is printed once: its first message and its count.
+        self.error_kinds: dict[str, list] = {}
         self.failed_in_a_row = 0  # groups that gave nothing to train on, since the last one that did
         self.last_success = time.monotonic()
         self.last_error = ""
@@ -115,7 +118,7 @@ class Producer:
         return dataclasses.replace(batch, **counts)
 
     def pop_errors(self) -> list[str]:
-        """Error messages since the last call (at most 20 are kept between calls)."""
+        """Error messages since the last call: the first of each kind."""
         errors, self.errors = self.errors, []
         return errors
 
@@ -267,9 +270,11 @@ class Producer:
         quiet = time.monotonic() - self.last_success
         if self.failed_in_a_row >= 4 * self.examples_per_step and quiet >= FAILURE_PATIENCE_S:
             last = self.last_error or "no episode gave two rollouts"
+            kinds = sorted(self.error_kinds.values(), key=lambda kind: -kind[1])[:3]
+            counts = "; ".join(f"{count} x {message}" for message, count in kinds) or last
             self.failure = UserError(
                 f"no group of rollouts succeeded for {quiet:.0f} s ({self.failed_in_a_row} failed in a row; "
-                f"last error: {last}); check the servers (model name, URL, API key) and the environment's args"
+                f"errors: {counts}): {failure_cause(last)}"
             )
             return
 
@@ -289,5 +294,19 @@ class Producer:
         self.num_errors += 1
         self.errors_by_env[env] = self.errors_by_env.get(env, 0) + 1
         self.last_error = message
-        if len(self.errors) < 20:
-            self.errors.append(message)
+        kind = self.error_kinds.setdefault(re.sub(r"\d+", "N", message), [message, 0])
+        kind[1] += 1
+        if kind[1] == 1:
+            self.errors.append(f"{message} (printed once: the step lines count them all)")
+
+
+def failure_cause(error: str) -> str:
+    """What a run whose rollouts all fail with `error` should look at, in words."""
+    if "maximum context length" in error or "longer than seq_len" in error:
+        return (
+            "the prompts and replies do not fit: raise --seq-len (a server of your own also needs a larger "
+            "--max-model-len) or lower --sampling.max-tokens"
+        )
+    if "Connection error" in error or "ConnectError" in error:
+        return "the inference server stopped answering: is it still running? (its log says why it stopped)"
+    return "check the servers (model name, URL, API key) and the environment's args"

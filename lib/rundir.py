@@ -22,6 +22,7 @@ SERVER_LOG = "server.log"  # the server rl.py started (lib/inference.py)
 LOSS_CURVE = "loss_curve.png"  # sft.py
 REWARD_CURVE = "reward_curve.png"  # rl.py
 SLURM = "slurm"  # a SLURM job's script and logs (lib/slurm.py), written before the run starts
+EXPORTED = "exported"  # checkpoints written as Hugging Face directories by scripts/export.py
 RESTARTED = "restarted"  # earlier runs' outputs, set aside by a restart (lib/checkpoint.py set_aside)
 
 # What a restart moves to restarted/<time>/, and nothing else the directory holds: the job that runs the

@@ -19,6 +19,40 @@ from lib.config import UserError
 OWN_TASKSETS = {"reverse_text": "plainrl_reverse_text", "alphabet_sort": "plainrl_alphabet_sort"}
 
 
+# sft.py's local data files (lib/data.py reads them).
+DATA_FILES = (".jsonl", ".json", ".parquet")
+# `--env.id path/to/my_env.py`: the file's examples and reward, played by this taskset (lib/tasksets/plainrl_file).
+FILE_TASKSET = "plainrl_file"
+
+
+def is_env_file(env_id: str) -> bool:
+    return env_id.endswith(".py")
+
+
+@functools.cache
+def env_file(path: str):
+    """The module of an environment file, imported once a process; a one-sentence UserError when the file is
+    missing or lacks examples() or reward(completion, example)."""
+    import inspect
+
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise UserError(f"environment file {path} does not exist.")
+    spec = importlib.util.spec_from_file_location(f"plainrl_env_{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for name, arguments in (("examples", ()), ("reward", ("completion", "example"))):
+        function = getattr(module, name, None)
+        try:
+            inspect.signature(function).bind(*arguments)
+        except (TypeError, ValueError):  # missing, not callable, or other arguments
+            raise UserError(
+                f"environment file {path} must define examples() and reward(completion, example) "
+                f"(docs/environments.md), and its {name} is {'missing' if function is None else 'not that'}."
+            ) from None
+    return module
+
+
 def module_name(env_id: str) -> str:
     """The module verifiers imports for `env_id` (a hub id `owner/name@version` imports `name`)."""
     return env_id.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
@@ -28,6 +62,8 @@ def resolve_id(env_id: str) -> str:
     """The taskset id to load: `reverse_text` and `alphabet_sort` name plainrl's own tasksets unless an
     installed module of that name exists, which then wins; either way, when both exist, says which
     was loaded and how to choose the other."""
+    if is_env_file(env_id):
+        return FILE_TASKSET
     name = module_name(env_id)
     if name not in OWN_TASKSETS:
         return env_id
@@ -68,7 +104,8 @@ def json_object(text: str, name: str) -> dict:
 @dataclasses.dataclass
 class EnvConfig:
     id: str = "reverse_text"
-    """Taskset id: reverse_text, alphabet_sort, plainrl_calculator, or any installed verifiers taskset."""
+    """Taskset id: reverse_text, alphabet_sort, plainrl_calculator, any installed verifiers taskset, or a Python
+    file of yours that defines examples() and reward(completion, example) (docs/environments.md)."""
     # --env-args too, as eval.py spells it, in every script (sft.py: for --data.args).
     args: Annotated[str, tyro.conf.arg(aliases=("--env-args",))] = "{}"
     """JSON object of taskset arguments, e.g. '{"min_turns": 3}'."""
@@ -125,14 +162,18 @@ def env_configs(env: EnvConfig) -> list[EnvConfig]:
 def check_env_ids(env: EnvConfig, data: bool = False) -> None:
     """A one-sentence UserError for an environment id (env.mix's too) that names no installed module, found
     without importing verifiers or the taskset (seconds), so a typo ends a run before servers start or a
-    run directory is made. With `data` (sft.py), a .jsonl file or a dataset id (with `/`) passes."""
+    run directory is made. An environment file (.py) is imported and checked. With `data` (sft.py), a local
+    data file (.jsonl, .json, .parquet) or a dataset id (with `/`) passes."""
     import difflib
 
     verifiers = importlib.util.find_spec("verifiers")
     # verifiers' own tasksets live in verifiers.v1.tasksets; looking there by path imports nothing.
     builtin = [Path(p) / "v1" / "tasksets" for p in verifiers.submodule_search_locations] if verifiers else []
     for config in env_configs(env):
-        if data and (config.id.endswith(".jsonl") or "/" in config.id):
+        if is_env_file(config.id):
+            env_file(config.id)
+            continue
+        if data and (config.id.endswith(DATA_FILES) or "/" in config.id):  # lib.data.check_data reads files
             continue
         name = module_name(resolve_id(config.id))
         if any((d / name).is_dir() or (d / f"{name}.py").is_file() for d in builtin) or module_found(name):
@@ -178,8 +219,8 @@ def hf_rows(taskset: str, dataset: str, split: str, source: str) -> list[dict] |
         return None
     if source == "auto" and not hub_reachable():
         print(
-            f"{taskset}: the Hugging Face hub is unreachable or HF_HUB_OFFLINE is set: synthetic data instead of "
-            f"{dataset} (the argument source=hf loads a cached copy)",
+            f"{taskset}: synthetic data instead of {dataset}\n"
+            "  (the Hugging Face hub is unreachable or HF_HUB_OFFLINE is set; source=hf loads a cached copy)",
             file=sys.stderr,
         )
         return None
@@ -211,6 +252,8 @@ def taskset_args(env: EnvConfig) -> dict:
     task_fields = getattr(task_type, "model_fields", {})
     for key in [key for key in args if key not in fields and key in task_fields]:
         args.setdefault("task", {})[key] = args.pop(key)
+    if is_env_file(env.id):
+        args.setdefault("path", str(Path(env.id).expanduser().resolve()))
     if "seed" in fields:
         args.setdefault("seed", env.seed)
     if "num_examples" in fields and env.num_examples > 0:
@@ -270,14 +313,19 @@ def reference_answer(data) -> str | None:
     return answer if isinstance(answer, str) and answer else None
 
 
-def answer_conversation(data) -> list[dict]:
-    """The chat an episode shows the model (system prompt, prompt), answered with the task's answer."""
+def prompt_messages(data) -> list[dict]:
+    """The chat an episode shows the model first: the task's system prompt and prompt."""
     messages = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
     if isinstance(data.prompt, str):
         messages.append({"role": "user", "content": data.prompt})
     elif data.prompt:
         messages += [message.model_dump(exclude_none=True) for message in data.prompt]
-    return messages + [{"role": "assistant", "content": reference_answer(data)}]
+    return messages
+
+
+def answer_conversation(data) -> list[dict]:
+    """The chat an episode shows the model (system prompt, prompt), answered with the task's answer."""
+    return prompt_messages(data) + [{"role": "assistant", "content": reference_answer(data)}]
 
 
 def sft_conversations(env: EnvConfig) -> list:

@@ -150,7 +150,10 @@ def main(cfg: Config) -> dict:
             reload_weights([cfg.base_url], directory, api_key, label=directory.resolve().name)
             served = f"{check_serves(cfg.base_url, directory, api_key)} (loaded by --reload-weights)"
     # The run directory only once the input is known good: a refused run leaves nothing behind.
-    name = cfg.name or f"{cfg.env}-{Path(cfg.model.name).name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = (
+        cfg.name
+        or f"{Path(cfg.env).name.removesuffix('.py')}-{Path(cfg.model.name).name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    )
     run_dir = cfg.output_dir / name
     print(f"run dir: {run_dir}", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,7 @@ Usage:
     python scripts/rl.py @ configs/tiny/rl.toml                                     # CPU
     python scripts/rl.py @ configs/reverse_text/rl.toml                             # one GPU, shared
     python scripts/rl.py @ configs/reverse_text/rl.toml --inference.urls http://h:8000/v1
-    python scripts/rl.py @ configs/reverse_text/rl.toml @ configs/recipes/gspo.toml  # an algorithm's recipe
+    python scripts/rl.py @ configs/reverse_text/rl.toml @ configs/recipes/gspo.toml  # a recipe
     torchrun --nproc-per-node 4 scripts/rl.py @ configs/alphabet_sort/rl.toml      # FSDP2 trainer
 """
 

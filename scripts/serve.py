@@ -112,6 +112,20 @@ def serving_dtype(model: ModelConfig) -> str:
     return runs_in_dtype(model, device, hidden_size)
 
 
+def key_warnings(host: str, port: int, api_key: str | None) -> list[str]:
+    """What the log says about who can reach the server: the network (a public host), and without a key
+    anyone who reaches it, every local user included."""
+    warnings = []
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        warnings.append(f"binding {host}: the admin routes (pause, reload) are reachable from the network.")
+    if api_key is None:
+        who = f"anyone who can reach {host}:{port}" if warnings else "every local user"
+        warnings.append(
+            f"no API key ($PLAINRL_API_KEY unset): {who} can use and reload it (README: ~/.plainrl_key)"
+        )
+    return warnings
+
+
 def main(cfg: Config) -> None:
     import logging
     import shlex
@@ -124,12 +138,8 @@ def main(cfg: Config) -> None:
     check_model_name(cfg.model.name)
     api_key = given_api_key(cfg.api_key)
     served_model_name = cfg.served_model_name or cfg.model.name
-    if cfg.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("binding %s: the admin routes (pause, reload) are reachable from the network.", cfg.host)
-        if api_key is None:
-            log.warning(
-                "no --api-key: anyone who can reach %s:%d can use and reload this server.", cfg.host, cfg.port
-            )
+    for warning in key_warnings(cfg.host, cfg.port, api_key):
+        log.warning(warning)
     engine, reason = choose_engine(cfg.engine)
     log.info("engine: %s (%s)", engine, reason)
     # One rule for both engines and the trainer (lib/model.py runs_in_dtype): vLLM's own auto would pick

@@ -1,7 +1,8 @@
 """Supervised warm-up: next-token loss on assistant tokens only, with packing, LoRA and FSDP2.
 
-Data comes from a plainrl taskset (its ideal answers), a local JSONL file (lines with `messages`, or
-with `prompt` and `completion`), or a Hugging Face dataset id. Conversations go through the
+Data comes from a plainrl taskset (its ideal answers), a local .jsonl, .json or .parquet file (records
+with `messages`, or with `prompt` and `completion`; checked before the run directory is made), or a
+Hugging Face dataset id. Conversations go through the
 tokenizer's chat template; only the assistant turns (through their end-of-turn token) carry loss. Each
 step takes the next batch_size samples of a seeded, per-epoch shuffled stream; the loss is the mean
 over every assistant token of the step (all micro-batches and ranks together), so packing,
@@ -44,7 +45,8 @@ class Config:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     """The model to fine-tune (dtype auto trains float32 weights, with bf16 autocast where model.autocast says)."""
     data: EnvConfig = dataclasses.field(default_factory=EnvConfig)
-    """Training data: data.id is a .jsonl path, a Hugging Face dataset id (contains `/`), or a taskset id."""
+    """Training data: data.id is a local .jsonl/.json/.parquet file (records with `messages`, or `prompt` and
+    `completion`), a Hugging Face dataset id (contains `/`), or a taskset id."""
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     """AdamW and the learning-rate schedule."""
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
@@ -102,15 +104,14 @@ def main(cfg: Config) -> dict:
     from lib import dist, rundir
     from lib.checkpoint import load_checkpoint, open_run, save_checkpoint, step_of
     from lib.config import to_dict
-    from lib.data import batch_indices, load_conversations, tokenize_all
+    from lib.data import batch_indices, check_data, load_conversations, tokenize_all
     from lib.head import next_token_scores
-    from lib.log import RunLog, say
+    from lib.log import RunLog, plural, say
     from lib.model import check_model_name, load_tokenizer, load_trainable, resolve_device
     from lib.optim import build_optimizer, optimizer_step
     from lib.packing import sft_rows
     from lib.plot import plot_curve
     from lib.provenance import write_provenance
-    from lib.tasks import check_env_ids
     from lib.weights import save_weights
 
     # ------------------------------------------------------------ config and run directory
@@ -122,7 +123,7 @@ def main(cfg: Config) -> dict:
             f"x {world_size} ranks."
         )
     check_model_name(cfg.model.name)
-    check_env_ids(cfg.data, data=True)  # a typo ends the run here, before any run directory
+    check_data(cfg.data)  # a typo or a bad data file ends the run here, before any run directory
     run_dir = cfg.output_dir
     # Every rank joins first: rank 0 alone claims the run directory, the others take its answer (open_run).
     device = dist.init(resolve_device(cfg.model), cfg.peer_timeout)
@@ -143,10 +144,10 @@ def main(cfg: Config) -> dict:
     per_rank = cfg.batch_size // world_size
     lengths = [len(ids) for ids, _ in samples]
     say(
-        f"data {cfg.data.id}: {len(conversations)} conversations, {len(samples)} samples, "
-        f"{sum(lengths) / len(lengths):.0f} tokens on average, {truncated} cut to seq_len {cfg.seq_len}; "
-        f"{cfg.batch_size // (cfg.micro_batch_size * world_size)} micro-batches of {cfg.micro_batch_size} "
-        f"per rank per step, packing {'on' if cfg.packing else 'off'}"
+        f"data {cfg.data.id}: {plural(len(conversations), 'conversation')}, {plural(len(samples), 'sample')}, "
+        f"{sum(lengths) / len(lengths):.0f} tokens on average, {truncated} cut to seq_len {cfg.seq_len}",
+        f"  {plural(cfg.batch_size // (cfg.micro_batch_size * world_size), 'micro-batch')} of "
+        f"{cfg.micro_batch_size} per rank per step, packing {'on' if cfg.packing else 'off'}",
     )
 
     # ------------------------------------------------------------ dist and model

@@ -28,6 +28,15 @@ def load_script(name: str):
     return module
 
 
+def docs_env_file(folder: Path) -> Path:
+    """docs/environments.md's one-file environment, written to folder/my_env.py (the page's example is tested)."""
+    page = (ROOT / "docs" / "environments.md").read_text()
+    code = page.split("```python\n# my_env.py", 1)[1].split("```", 1)[0]
+    path = folder / "my_env.py"
+    path.write_text("# my_env.py" + code)
+    return path
+
+
 def until_decoding(base_url: str, headers: dict | None = None, seconds: float = 120.0) -> None:
     """Returns once the server at base_url decodes a request, or fails the test after `seconds`. Both engines
     answer POST /reset_prefix_cache with success false while a running sequence holds its KV."""

@@ -17,7 +17,7 @@ from conftest import ROOT, load_script
 
 from lib.config import _dataclass_type
 
-SCRIPTS = ["tiny", "sft", "serve", "eval", "rl", "demo"]
+SCRIPTS = ["tiny", "sft", "serve", "eval", "rl", "demo", "export"]
 FROZEN = ROOT / "tests" / "fixtures" / "cli.txt"
 
 

@@ -270,3 +270,44 @@ def test_only_a_user_error_is_one_sentence_other_value_errors_keep_their_traceba
     with pytest.raises(ValueError, match="batch_size") as raised:
         run_main(library_value_error, None)
     assert not isinstance(raised.value, UserError)
+
+
+def test_a_run_directory_or_a_checkpoint_as_model_name_points_at_the_runs_weights(tmp_path, monkeypatch):
+    from lib.model import check_model_name
+
+    monkeypatch.chdir(tmp_path)
+    run = Path("outputs/tiny/sft")
+    (run / "weights" / "step_40").mkdir(parents=True)
+    (run / "weights" / "step_40" / "config.json").write_text("{}")
+    (run / "checkpoints" / "step_40").mkdir(parents=True)
+    with pytest.raises(
+        ValueError, match=r"a run directory: give one of its weights, e.g. outputs/tiny/sft/weights/step_40\)"
+    ) as error:
+        check_model_name("outputs/tiny/sft")
+    assert "make tiny" not in str(error.value)
+    with pytest.raises(
+        ValueError, match=r"give outputs/tiny/sft/weights/step_40, or write one with scripts/export.py"
+    ):
+        check_model_name("outputs/tiny/sft/checkpoints/step_40")
+    with pytest.raises(ValueError, match="run `make tiny` to create it"):
+        check_model_name("outputs/models/tiny")
+
+
+def test_a_misspelt_flag_gets_a_did_you_mean(capsys):
+    rl = load_script("rl")
+    with pytest.raises(SystemExit) as ended:
+        parse(rl.Config, ["--stpes", "3"])
+    assert ended.value.code == 2
+    assert capsys.readouterr().err == "error: Unrecognized options: --stpes, 3 (did you mean --steps?).\n"
+
+
+@pytest.mark.parametrize("script", ["rl", "sft", "eval", "serve", "export"])
+def test_help_keeps_within_100_columns(script, capsys, monkeypatch):
+    # tyro prints each paragraph of a script's docstring as one line (rl.py's: 297 columns); its option
+    # boxes fit the terminal.
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit) as ended:
+        parse(load_script(script).Config, ["--help"], description=load_script(script).__doc__)
+    assert ended.value.code == 0
+    out = capsys.readouterr().out
+    assert "Usage:" in out and all(len(line) <= 100 for line in out.splitlines()), out

@@ -96,3 +96,36 @@ def test_batches_walk_through_each_epoch_once_in_a_seeded_order():
     assert sorted(first_epoch) == list(range(20)) and first_epoch != list(range(20))
     assert batch_indices(2, 4, 20, seed=3) == batch_indices(2, 4, 20, seed=3)
     assert batch_indices(5, 4, 20, seed=3) != batch_indices(0, 4, 20, seed=3)  # epoch 2 is reshuffled
+
+
+def test_json_and_parquet_files_load_and_a_bad_file_fails_before_the_run_directory(tiny_dir, tmp_path):
+    import pyarrow
+    import pyarrow.parquet
+    from conftest import load_script
+
+    from lib.config import parse
+
+    conversation = reverse_conversation("abc")
+    records = [{"messages": conversation}, {"prompt": conversation[:2], "completion": conversation[2:]}]
+    (tmp_path / "data.json").write_text(json.dumps(records))
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(records[:1]), tmp_path / "data.parquet")
+    assert load_conversations(EnvConfig(id=str(tmp_path / "data.json"))) == [conversation, conversation]
+    assert load_conversations(EnvConfig(id=str(tmp_path / "data.parquet"))) == [conversation]
+
+    sft = load_script("sft")
+    (tmp_path / "wrong.jsonl").write_text(json.dumps({"question": "abc", "answer": "cba"}) + "\n")
+    for name, message in [
+        ("wrong.jsonl", r"record 1 needs `messages` .* got keys \['answer', 'question'\]"),
+        ("missing.json", "data file .*missing.json does not exist"),
+    ]:
+        argv = [
+            "--model.name",
+            str(tiny_dir),
+            "--data.id",
+            str(tmp_path / name),
+            "--output-dir",
+            str(tmp_path / "run"),
+        ]
+        with pytest.raises(ValueError, match=message):
+            sft.main(parse(sft.Config, argv))
+        assert not (tmp_path / "run").exists()

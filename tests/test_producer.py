@@ -403,3 +403,35 @@ def test_every_error_is_counted_in_exactly_one_step(fake_env):
     counted = sum(b.metrics("fake")["rollouts/errors"] for b in batches)
     # After stop() the loop's thread is gone: what it counted since the last step is still in the producer.
     assert counted > 0 and counted + sum(run.errors_by_env.values()) == run.num_errors
+
+
+def test_each_kind_of_rollout_error_is_printed_once_and_the_run_ends_naming_the_cause(fake_env, monkeypatch):
+    # Every episode's prompt is too long for the server, each by its own number of tokens: one line, not
+    # one per rollout, and the last sentence says what to change.
+    episodes = []
+
+    async def too_long(env, task, context):
+        episodes.append(task)
+        raise RuntimeError(f"Prompt length ({120 + len(episodes) % 9}) exceeds maximum context length (64).")
+
+    monkeypatch.setattr(lib.producer.envs, "run_episode", too_long)
+    monkeypatch.setattr(lib.producer, "FAILURE_PATIENCE_S", 1.0)
+    run = producer([{"id": i} for i in range(4)])
+    printed = []
+    run.start()
+    try:
+        with pytest.raises(ValueError) as failure:
+            run.take(0, report=printed.append)
+    finally:
+        run.stop()
+    assert len(episodes) >= 8 and len(printed) == 1
+    assert printed[0].startswith("RuntimeError: Prompt length (12") and "printed once" in printed[0]
+    message = str(failure.value)
+    assert f"errors: {run.num_errors} x RuntimeError: Prompt length" in message
+    assert message.endswith(
+        "raise --seq-len (a server of your own also needs a larger --max-model-len) or "
+        "lower --sampling.max-tokens"
+    )
+    assert lib.producer.failure_cause("APIConnectionError: Connection error.").startswith(
+        "the inference server stopped answering"
+    )

@@ -218,3 +218,13 @@ def test_a_server_rl_starts_without_a_key_given_gets_one_of_its_own(tiny_dir, tm
     # Its key lived in this process's environment for the run only: left there, every server a later caller
     # starts from that environment would demand it.
     assert "PLAINRL_API_KEY" not in os.environ
+
+
+def test_a_server_started_without_a_key_says_who_can_use_it():
+    serve = load_script("serve")
+    (local,) = serve.key_warnings("127.0.0.1", 8000, None)
+    assert "no API key ($PLAINRL_API_KEY unset): every local user can use and reload it" in local
+    assert "~/.plainrl_key" in local
+    public = serve.key_warnings("0.0.0.0", 8000, None)
+    assert len(public) == 2 and "anyone who can reach 0.0.0.0:8000" in public[1]
+    assert serve.key_warnings("127.0.0.1", 8000, "k") == []

@@ -338,3 +338,41 @@ def test_benchmarks_name_the_cpu_by_model_and_family_and_count_its_cores():
     family = re.search(r"^cpu family\s*:\s*(\d+)", text, re.M).group(1)
     assert cpu_name().startswith(f"{model_name} (family {family} model ")
     assert cpu_name().endswith(f") x {os.cpu_count()}")
+
+
+@pytest.mark.parametrize("extra", [[], ["--lora.rank", "4", "--lora.alpha", "8"]], ids=["full", "lora"])
+def test_export_writes_a_checkpoint_as_the_hugging_face_directory_the_run_wrote(
+    tiny_dir, data_file, tmp_path, extra, capsys
+):
+    export = load_script("export")
+    run(
+        *flags(
+            tiny_dir,
+            data_file,
+            tmp_path / "run",
+            "--checkpoint-every",
+            "2",
+            "--micro-batch-size",
+            "4",
+            *extra,
+        )
+    )
+    out = capsys.readouterr().out
+    assert "  1 micro-batch of 4 per rank per step" in out, out
+    assert all(len(line) <= 100 for line in out.splitlines() if str(tmp_path.parents[1]) not in line), out
+    # weights/step_2 and step_4 are what the run wrote (its last two); the export rebuilds step_2's from its
+    # checkpoint alone, LoRA merged.
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_2"
+    output = export.main(parse(export.Config, [str(checkpoint)]))
+    assert output == tmp_path / "run" / "exported" / "step_2"
+    written = load_file(tmp_path / "run" / "weights" / "step_2" / "model.safetensors")
+    exported = load_file(output / "model.safetensors")
+    assert written.keys() == exported.keys()
+    for key in written:
+        torch.testing.assert_close(exported[key], written[key], rtol=0, atol=0)
+    assert (
+        AutoTokenizer.from_pretrained(output)("abc").input_ids
+        == AutoTokenizer.from_pretrained(tiny_dir)("abc").input_ids
+    )
+    with pytest.raises(ValueError, match="is not a run's checkpoints/step_N"):
+        export.main(parse(export.Config, [str(tmp_path / "run" / "weights" / "step_2")]))

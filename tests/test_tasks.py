@@ -59,7 +59,8 @@ def test_hf_source_falls_back_fast_when_offline(monkeypatch, capsys):
     monkeypatch.setenv("HF_ENDPOINT", "https://127.0.0.1:9")  # nothing listens there: refused at once
     assert hf_rows("reverse_text", "PrimeIntellect/Reverse-Text-RL", "train", "auto") is None
     assert time.perf_counter() - began < 2
-    assert "synthetic data" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "synthetic data" in err and max(len(line) for line in err.splitlines()) <= 100, err
 
 
 @pytest.fixture
@@ -182,6 +183,7 @@ def test_a_misspelt_env_id_fails_before_servers_start_or_a_run_directory_is_made
 
 
 def test_env_ids_are_checked_in_mixtures_and_sft_data_may_be_files_or_datasets():
+    from lib.data import check_data
     from lib.tasks import check_env_ids
 
     with pytest.raises(ValueError, match=r"reverse_txt is not .*\(did you mean reverse_text\?\)"):
@@ -192,6 +194,8 @@ def test_env_ids_are_checked_in_mixtures_and_sft_data_may_be_files_or_datasets()
     check_env_ids(EnvConfig(id="alphabet-sort", mix=mix))
     # sft.py's data may be a file or a dataset id rather than a taskset.
     check_env_ids(EnvConfig(id="conversations.jsonl"), data=True)
+    with pytest.raises(ValueError, match="data file conversations.jsonl does not exist"):
+        check_data(EnvConfig(id="conversations.jsonl"))  # sft.py's check reads the file
     check_env_ids(EnvConfig(id="willcb/R1-reverse-wikipedia-paragraphs-v1-1000"), data=True)
 
 
@@ -206,3 +210,31 @@ def test_an_own_taskset_missing_from_a_source_tree_says_how_to_install_it(monkey
     message = str(error.value)
     assert "did you mean" not in message
     assert "make setup installs" in message and str(Path(tasks.__file__).parent / "tasksets") in message
+
+
+def test_an_environment_file_gives_tasks_and_sft_conversations_and_its_mistakes_fail_in_one_sentence(
+    tmp_path,
+):
+    from conftest import docs_env_file
+
+    from lib.tasks import check_env_ids
+
+    path = docs_env_file(tmp_path)
+    env = EnvConfig(id=str(path), num_examples=3)
+    check_env_ids(env)
+    assert resolve_id(env.id) == "plainrl_file"
+    tasks = list(load_tasks(load_env(env), env).taskset)
+    assert len(tasks) == 3 and tasks[0].data.prompt.count("+") == 1
+    conversations = sft_conversations(env)
+    assert [m["role"] for m in conversations[0]] == ["system", "user", "assistant"]
+    a, b = conversations[0][1]["content"].split(" + ")
+    assert conversations[0][2]["content"] == str(int(a) + int(b))
+    with pytest.raises(ValueError, match="environment file .*nope.py does not exist"):
+        check_env_ids(EnvConfig(id=str(tmp_path / "nope.py")))
+    broken = tmp_path / "broken.py"
+    broken.write_text("def examples():\n    return []\n\ndef reward(completion):\n    return 1.0\n")
+    with pytest.raises(
+        ValueError,
+        match=r"must define examples\(\) and reward\(completion, example\) .*its reward is not that",
+    ):
+        check_env_ids(EnvConfig(id=str(broken)))
