@@ -167,6 +167,22 @@ def test_a_rerun_with_other_settings_or_into_a_foreign_directory_is_refused(toy_
     assert sorted(path.name for path in tmp_path.iterdir()) == ["mine.txt"]
 
 
+def recording(monkeypatch, out) -> list:
+    """Makes demo.run record each stage's command (in the list returned) instead of running it; an eval.py
+    command leaves the summary.json of an evaluation whose every episode was scored."""
+    ran = []
+
+    def recorded(*args):
+        ran.append(list(args))
+        if args[0] == "scripts/eval.py":
+            run_dir = out / "eval" / args[args.index("--name") + 1]
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "summary.json").write_text('{"status": "ok", "avg_reward": 0.0}')
+
+    monkeypatch.setattr(demo, "run", recorded)
+    return ran
+
+
 def test_the_real_model_demo_is_the_seed_recipe_with_its_presets(tmp_path, monkeypatch):
     """`make demo`'s stages, run with `run` recording instead of running: base eval, SFT, eval, RL, eval on
     the same held-out tasks (sampled, then greedy), each command one its script accepts, with the
@@ -174,16 +190,7 @@ def test_the_real_model_demo_is_the_seed_recipe_with_its_presets(tmp_path, monke
     from lib.config import parse
     from lib.models import SMOLLM2_DIR
 
-    ran = []
-
-    def recorded(*args):
-        ran.append(list(args))
-        if args[0] == "scripts/eval.py":  # what it leaves when every episode was scored
-            run_dir = tmp_path / "demo" / "eval" / args[args.index("--name") + 1]
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "summary.json").write_text('{"status": "ok", "avg_reward": 0.0}')
-
-    monkeypatch.setattr(demo, "run", recorded)
+    ran = recording(monkeypatch, tmp_path / "demo")
     cfg = demo.Config(out=tmp_path / "demo")
     stages = demo.stages(cfg, contextlib.ExitStack())  # the builtin engine: no server of its own to stop
     assert [stage.name for stage in stages] == [
@@ -288,16 +295,7 @@ def test_the_rl_first_demo_is_base_eval_rl_eval_on_held_out_arithmetic(tmp_path,
     from lib.models import SMOLLM2_DIR
 
     assert dry_run("demo-arithmetic") == [".venv/bin/python", "scripts/demo.py", "--recipe", "rl-first"]
-    ran = []
-
-    def recorded(*args):
-        ran.append(list(args))
-        if args[0] == "scripts/eval.py":  # what it leaves when every episode was scored
-            run_dir = tmp_path / "demo" / "eval" / args[args.index("--name") + 1]
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "summary.json").write_text('{"status": "ok", "avg_reward": 0.0}')
-
-    monkeypatch.setattr(demo, "run", recorded)
+    ran = recording(monkeypatch, tmp_path / "demo")
     cfg = demo.parse(demo.Config, ["--recipe", "rl-first", "--out", str(tmp_path / "demo")])
     stages = demo.stages(cfg, contextlib.ExitStack())
     names = ["model", "eval of the base model", "rl", "eval after RL", "reward curve"]
