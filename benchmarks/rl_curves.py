@@ -16,6 +16,7 @@ import json
 import re
 import statistics
 import sys
+import tomllib
 from collections import Counter, defaultdict
 from difflib import SequenceMatcher
 from pathlib import Path
@@ -112,14 +113,8 @@ def summarise(label: str, run: Path, samples: int) -> dict:
         for row in read_jsonl(path):
             groups[row["task_id"]].append(row["reward"])
         spread += [max(r) > min(r) for r in groups.values()]
-    env = (
-        json.loads((run / "provenance.json").read_text()).get("env")
-        if (run / "provenance.json").is_file()
-        else None
-    )
-    config = (run / "config.toml").read_text()
-    env = env or (re.search(r'^id = "(.+)"', config, re.M) or [None, "reverse_text"])[1]
-    max_tokens = int((re.search(r"^max_tokens = (\d+)", config, re.M) or [None, 10**9])[1])
+    config = tomllib.loads((run / "config.toml").read_text())  # the run's resolved config
+    env, max_tokens = config["env"]["id"], config["sampling"]["max_tokens"]
     kinds, quoted = Counter(), []
     if evals and env in FAILURES:
         for row in evals[-1]["rows"]:
