@@ -447,13 +447,20 @@ def process_in(job: str, script: str) -> int:
     raise AssertionError(f"no scripts/{script} process in job {job}")
 
 
+def job_logs(out: Path, job: str) -> str:
+    """Every log the job wrote, each under its name: what a failed assertion shows."""
+    folder = out / "slurm" / job
+    return "\n".join(f"== {path.name}\n{path.read_text()}" for path in sorted(folder.glob("*.log")))
+
+
 def start_and_kill_at_step_1(cluster: dict, script: Path, out: Path, victim: str) -> tuple[str, str, float]:
     """Submits `script`, kill -9s its scripts/<victim> process once checkpoints/step_1 exists; returns the job,
     its final state and the seconds from the kill to the job's end."""
     job = submit(job_env(cluster, "plainrl-test-" + secrets.token_hex(8)), script)
     deadline = time.monotonic() + 180
     while not (out / "checkpoints" / "step_1").exists():
-        assert time.monotonic() < deadline and job_field(cluster, job, "JobState") in ("PENDING", "RUNNING")
+        state = job_field(cluster, job, "JobState")
+        assert time.monotonic() < deadline and state in ("PENDING", "RUNNING"), (state, job_logs(out, job))
         time.sleep(0.05)
     os.kill(process_in(job, victim), 9)
     killed = time.monotonic()
