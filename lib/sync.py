@@ -8,7 +8,7 @@ import math
 import time
 from pathlib import Path
 
-from lib import dist, probing, reload, transfer
+from lib import dist, endpoint, probing, reload, transfer
 from lib.weights import save_weights
 
 
@@ -48,6 +48,56 @@ class Servers:
         reload.reload_weights(
             self.urls, weights, self.api_key, label, pause_mode=self.pause_mode, adapter=self.adapter
         )
+
+
+def open_servers(cfg, model, *, save_dtype, autocast, device: str, kept_set: str, cleanup, say) -> Servers:
+    """rl.py's servers (rank 0) for its config `cfg`: attached to inference.urls, or one started on
+    model.name (`cleanup` stops it), each request's key in this process's environment, the probe's
+    tolerance set by the trainer's dtype, and, for an in-memory sync, the sender that forms the group."""
+    import secrets
+
+    import torch
+
+    from lib import envs, inference
+    from lib.config import given_api_key
+    from lib.sampling import bounded
+
+    with autocast():  # bf16 on either side, the weights served or the trainer's matmuls, rounds as bf16
+        bf16_trainer = torch.is_autocast_enabled(torch.device(device).type)
+    tolerance = cfg.inference.probe_tolerance
+    if not tolerance:
+        exact = save_dtype == torch.float32 and not bf16_trainer
+        tolerance = 1e-3 if exact else probing.BF16_PROBE_TOLERANCE
+    api_key = given_api_key(cfg.inference.api_key)
+    if api_key is None and not cfg.inference.urls:
+        # A server of its own gets a key of its own (in its environment, never on a command line or on
+        # disk): no other local user can pause it or load another directory into it.
+        api_key = secrets.token_urlsafe(24)
+    cleanup.enter_context(envs.key_in_environment(api_key))
+    adapter = inference.ADAPTER_NAME if cfg.lora.rank and cfg.inference.lora_sync == "adapter" else None
+    urls, names, _ = inference.start_or_attach(
+        cfg.inference,
+        model=cfg.model,
+        trainer_dtype=str(save_dtype).removeprefix("torch."),
+        model_limit=getattr(model.config, "max_position_embeddings", cfg.seq_len),
+        seq_len=cfg.seq_len,
+        device=device,
+        on_policy=cfg.max_async_level == 0,
+        run_dir=cfg.output_dir,
+        api_key=api_key,
+        cleanup=cleanup,
+        say=say,
+        lora_rank=cfg.lora.rank if adapter else 0,
+        return_sampling_mask=kept_set == "served",
+    )
+    sampling = bounded(cfg.sampling)
+    servers = Servers(urls, names, api_key, cfg.inference.pause_mode, adapter, tolerance)
+    servers.top_k, servers.top_p, servers.kept_set = sampling.top_k, sampling.top_p, kept_set
+    servers.sender = transfer.sender(cfg.inference, urls, api_key, device)  # None: from the disk
+    if kept_set != "none":
+        source = "served by the engine" if kept_set == "served" else "recomputed by the trainer"
+        say(f"top_k {sampling.top_k}, top_p {sampling.top_p}: each token's kept set is {source}")
+    return servers
 
 
 def publish(
@@ -170,6 +220,8 @@ class WeightSync:
         # In memory (inference.weight_sync), weights/step_N is written every `write_every` steps and at the last.
         self.memory, self.write_every = options.get("memory", False), options.get("write_every", 1)
         self.on_loaded, self.reloader = None, None
+        # Between syncs, a server paused by someone else (a controller killed mid-sync) stops the run.
+        self.pause_watch = endpoint.PauseWatch(servers.urls, servers.api_key)
 
     def attach(self, on_loaded) -> None:
         """Rank 0: `on_loaded(N)` follows each load of step N's weights."""
@@ -223,6 +275,12 @@ class WeightSync:
 
     def in_flight(self) -> bool:
         return self.reloader is not None and self.reloader.in_flight()
+
+    def check_servers(self) -> None:
+        """While rollouts are awaited: every server answers /health and none stays paused (but by this run's
+        own reload in flight)."""
+        endpoint.check_servers(self.servers.urls, self.servers.api_key)
+        self.pause_watch.check(own_sync=self.in_flight())
 
     def wait(self) -> None:
         """Until the servers serve the last weights written (before an eval or a checkpoint)."""

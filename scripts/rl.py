@@ -43,7 +43,7 @@ from typing import Literal
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # finds lib/ outside the virtualenv too
 import lib.venv  # noqa: F401  (first: says which python to use when the dependencies are missing)
-from lib.config import StopAfterStep, UserError, given_api_key, parse, run_main
+from lib.config import StopAfterStep, UserError, parse, run_main
 from lib.envs import EnvConfig
 from lib.evaluation import EvalConfig
 from lib.inference import InferenceConfig
@@ -166,17 +166,17 @@ class Config:
 def main(cfg: Config) -> dict:
     """Trains and returns {"run_dir", "weights" (the last weights/step_N), "history" (metrics per step)}."""
     import contextlib
-    import secrets
+    import functools
     import time
 
     import torch
 
-    from lib import dist, endpoint, envs, inference, probing, rundir, sync, transfer
+    from lib import dist, envs, inference, rundir, sync
     from lib.checkpoint import drop_newer, load_checkpoint, open_run, save_checkpoint, step_of
     from lib.config import to_dict
-    from lib.head import KeptSets, next_token_scores
+    from lib.head import Reference, micro_batch_kept_sets
     from lib.log import RunLog, rl_line, say
-    from lib.loss import loss_function, token_share
+    from lib.loss import loss_function, train_micro_batch
     from lib.mixture import load_mixture
     from lib.model import check_model_name, load_tokenizer, load_trainable, resolve_device
     from lib.optim import build_optimizer, optimizer_step
@@ -223,33 +223,21 @@ def main(cfg: Config) -> dict:
     tokenizer = load_tokenizer(cfg.model.name)
     optimizer, scheduler = build_optimizer(model.parameters(), cfg.optim, cfg.steps)
     compute_loss = loss_function(cfg.loss)  # lib/loss.py's policy_loss, or the one loss.import_path names
-    # loss.kl_coef's reference: the run's starting weights, loaded from model.name, never from a checkpoint, so a
-    # resumed run compares with the same reference. Under LoRA it is the policy with its adapter off (no
-    # memory, no parameters); full fine-tuning loads a frozen copy as the policy is loaded (float32 master
-    # weights, the chunked head, FSDP2-sharded over the ranks), scored without gradient. Memory: the configs'
-    # comments.
-    reference = None
+    # loss.kl_coef's reference (lib/head.py Reference): loaded from model.name, never from a checkpoint, so a
+    # resumed run compares with the same reference. Memory: the configs' comments.
+    frozen = None
     if cfg.loss.kl_coef and not cfg.lora.rank:
-        reference, _, _ = load_trainable(
+        frozen, _, _ = load_trainable(
             cfg.model, LoraConfig(), device=device, world_size=world_size, packing=cfg.packing
         )
-        reference.requires_grad_(False)
-        reference.eval()
+        frozen.requires_grad_(False).eval()
+    reference = Reference(model, frozen, autocast, cfg.sampling.temperature)
     shared = cfg.packing and cfg.model.attn_implementation == "sdpa" and device.startswith("cpu")
     share_prompts = cfg.share_prompts == "on" or (cfg.share_prompts == "auto" and shared)
-    # Inference logprobs are of the tempered distribution, the one sampled from.
-    temperature = cfg.sampling.temperature
-    # Over each sampled token's kept set when top-k/top-p filter it (lib/head.py KeptSets): top_p alone gets
-    # top_k 512, a bound on the kept sets. Every rank resolves the same mode from the config.
-    sampling = bounded(cfg.sampling)
-    if sampling.top_k < 0 and sampling.top_p == 1:
-        kept_set = "none"
-    elif cfg.kept_set != "auto":
-        kept_set = cfg.kept_set
-    elif not cfg.inference.urls and inference.serves_kept_sets(cfg.inference.engine, device):
-        kept_set = "served"
-    else:
-        kept_set = "recomputed"
+    # Inference logprobs are of the tempered distribution, the one sampled from, over each sampled token's
+    # kept set when top-k/top-p filter it (lib/head.py KeptSets).
+    temperature, sampling = cfg.sampling.temperature, bounded(cfg.sampling)
+    kept_set = inference.kept_set_mode(cfg, device)
     # LoRA: the adapter's name on the servers, None where they load the merged model.
     adapter = inference.ADAPTER_NAME if cfg.lora.rank and cfg.inference.lora_sync == "adapter" else None
 
@@ -266,94 +254,27 @@ def main(cfg: Config) -> dict:
         # -------------------------------------------------------- inference servers and environment (rank 0)
         # Every rank knows whether the adapter alone is written (a collective); rank 0 adds the servers.
         servers, evaluator = sync.Servers(urls=[], names=[], adapter=adapter), None
-        with autocast():  # bf16 on either side, the weights served or the trainer's matmuls, rounds as bf16
-            bf16_trainer = torch.is_autocast_enabled(torch.device(device).type)
-        if cfg.inference.probe_tolerance:
-            probe_tolerance = cfg.inference.probe_tolerance
-        elif save_dtype == torch.float32 and not bf16_trainer:
-            probe_tolerance = 1e-3
-        else:
-            probe_tolerance = probing.BF16_PROBE_TOLERANCE
         if is_main:
-            api_key = given_api_key(cfg.inference.api_key)
-            if api_key is None and not cfg.inference.urls:
-                # A server of its own gets a key of its own (in its environment, never on a command line
-                # or on disk): no other local user can pause it or load another directory into it.
-                api_key = secrets.token_urlsafe(24)
-            cleanup.enter_context(envs.key_in_environment(api_key))
-            urls, names, _ = inference.start_or_attach(
-                cfg.inference,
-                model=cfg.model,
-                trainer_dtype=str(save_dtype).removeprefix("torch."),
-                model_limit=getattr(model.config, "max_position_embeddings", cfg.seq_len),
-                seq_len=cfg.seq_len,
-                device=device,
-                on_policy=cfg.max_async_level == 0,
-                run_dir=run_dir,
-                api_key=api_key,
-                cleanup=cleanup,
-                say=say,
-                lora_rank=cfg.lora.rank if adapter else 0,
-                return_sampling_mask=kept_set == "served",
-            )
-            servers = sync.Servers(urls, names, api_key, cfg.inference.pause_mode, adapter, probe_tolerance)
-            servers.top_k, servers.top_p, servers.kept_set = sampling.top_k, sampling.top_p, kept_set
-            servers.sender = transfer.sender(cfg.inference, urls, api_key, device)  # None: from the disk
-            if kept_set != "none":
-                source = "served by the engine" if kept_set == "served" else "recomputed by the trainer"
-                say(f"top_k {sampling.top_k}, top_p {sampling.top_p}: each token's kept set is {source}")
+            servers = sync.open_servers(
+                cfg, model, save_dtype=save_dtype, autocast=autocast, device=device, kept_set=kept_set,
+                cleanup=cleanup, say=say,
+            )  # fmt: skip
             # The prompts are rendered here, as for any run, with model.name's tokenizer and renderer.
             renderer = envs.renderer_name(cfg.model.name)
             contexts = [
                 envs.model_context(
                     url, name, sampling, train=True, tokenizer=cfg.model.name, renderer=renderer
                 )
-                for url, name in zip(urls, names)
+                for url, name in zip(servers.urls, servers.names)
             ]
             mixture, evaluator = load_mixture(
-                cfg,
-                url=urls[0],
-                model=names[0],
-                api_key=api_key,
-                out=run_dir / rundir.EVAL,
-                progress=progress,
-            )
-            say(f"{mixture.describe()}; {len(urls)} server(s): {' '.join(urls)}")
+                cfg, url=servers.urls[0], model=servers.names[0], api_key=servers.api_key,
+                out=run_dir / rundir.EVAL, progress=progress,
+            )  # fmt: skip
+            say(f"{mixture.describe()}; {len(servers.urls)} server(s): {' '.join(servers.urls)}")
 
         # -------------------------------------------------------- weight sync
-        # Between syncs, a server paused by someone else (a controller killed mid-sync) stops the run.
-        pause_watch = endpoint.PauseWatch(servers.urls, servers.api_key)
-
-        def kept_sets(mb) -> KeptSets | None:
-            """The kept sets a micro-batch's tokens were sampled from (None: the full vocabulary)."""
-            if kept_set == "recomputed":
-                return KeptSets(top_k=sampling.top_k, top_p=sampling.top_p)
-            if kept_set == "served" and mb.kept_ids is not None:  # None: a padding micro-batch, no loss
-                return KeptSets(ids=mb.kept_ids, counts=mb.kept_counts)
-            return None
-
-        def reference_logp(mb):
-            """The reference's logprobs of mb's loss tokens (R, T), no gradient, of the distribution the policy's
-            are of: the sampling temperature, and each token's kept set when top-k/top-p filtered it (served: the
-            same ids as the policy's; recomputed: the same rule, on the reference's own logits)."""
-            adapter_off = model.disable_adapter() if reference is None else contextlib.nullcontext()
-            with torch.no_grad(), autocast(), adapter_off:
-                ref_logp, _ = next_token_scores(
-                    model if reference is None else reference,
-                    mb.input_ids,
-                    mb.position_ids,
-                    mb.loss_mask,
-                    temperature,
-                    kept_sets(mb),
-                )  # (R, T)
-            return ref_logp
-
-        def check_servers() -> None:
-            """While the producer waits: every server answers /health and none stays paused (but by this
-            run's own reload in flight)."""
-            endpoint.check_servers(servers.urls, servers.api_key)
-            pause_watch.check(own_sync=weight_sync.in_flight())
-
+        kept_sets = functools.partial(micro_batch_kept_sets, kept_set, sampling)
         # At max_async_level >= 1 the servers reload beside the next step's training (sync.Reloader);
         # on-policy, the next step needs this step's weights anyway.
         weight_sync = sync.WeightSync(
@@ -370,47 +291,33 @@ def main(cfg: Config) -> dict:
 
         # -------------------------------------------------------- rollout producer (rank 0)
         if is_main:
+            # With served kept sets, a group with a rollout without them is left out.
             producer = Producer(
-                mixture,
-                contexts,
-                rollouts_per_example=cfg.rollouts_per_example,
-                examples_per_step=cfg.examples_per_step,
-                max_async_level=cfg.max_async_level,
-                max_concurrent=cfg.inference.max_concurrent,
-                advantage=cfg.advantage,
-                start_version=start,
-                seq_len=cfg.seq_len,
-                filter_flat_groups=cfg.filter_flat_groups,
-                served_kept_sets=kept_set == "served",  # a group with a rollout without them is left out
-            )
+                mixture, contexts, rollouts_per_example=cfg.rollouts_per_example,
+                examples_per_step=cfg.examples_per_step, max_async_level=cfg.max_async_level,
+                max_concurrent=cfg.inference.max_concurrent, advantage=cfg.advantage, start_version=start,
+                seq_len=cfg.seq_len, filter_flat_groups=cfg.filter_flat_groups,
+                served_kept_sets=kept_set == "served",
+            )  # fmt: skip
             producer.start()
             cleanup.callback(producer.stop)
             env_names = tuple(source.name for source in mixture.sources)
             weight_sync.attach(on_loaded=producer.set_version)
             cleanup.callback(weight_sync.close)  # a reload in flight finishes, before the producer stops
         log = RunLog(
-            run_dir,
-            total_steps=cfg.steps,
-            start_step=start,
-            enabled=is_main,
-            print_every=1,
-            wandb=cfg.wandb,
-            config=to_dict(cfg),
-            line=rl_line,
-        )
+            run_dir, total_steps=cfg.steps, start_step=start, enabled=is_main, print_every=1, wandb=cfg.wandb,
+            config=to_dict(cfg), line=rl_line,
+        )  # fmt: skip
         cleanup.callback(log.close)
         history, weights, flat_steps, errors_in_run = [], None, 0, 0
 
         def plot() -> None:
             steps, rewards = range(start + 1, start + 1 + len(history)), [m["reward/mean"] for m in history]
             plot_curve(
-                run_dir / rundir.REWARD_CURVE,
-                steps=list(steps),
-                values=rewards,
-                label="reward (mean of the step's rollouts)",
-                title=f"rl: {cfg.env.id}",
+                run_dir / rundir.REWARD_CURVE, steps=list(steps), values=rewards,
+                label="reward (mean of the step's rollouts)", title=f"rl: {cfg.env.id}",
                 points=eval_points(evaluator),
-            )
+            )  # fmt: skip
 
         if evaluator is not None:
             log.evaluation(start, evaluator(start))
@@ -425,14 +332,13 @@ def main(cfg: Config) -> dict:
                 batch = producer.take(
                     step,
                     report=lambda message: say(f"rollout error: {message}"),
-                    check=check_servers,
+                    check=weight_sync.check_servers,
                 )
                 if batch.num_too_long:
                     say(
                         f"WARNING step {step_number}: dropped {batch.num_too_long} rollouts (whole groups) longer "
                         f"than seq_len {cfg.seq_len} (rollouts/too_long)"
                     )
-
                 # ------------------------------------------------ pack and split over the ranks
                 # DAPO's overlong masking: rollouts cut by a token limit leave the step after their group's
                 # advantages, so they carry no loss and count in no normaliser (as TRL's masking does).
@@ -460,41 +366,11 @@ def main(cfg: Config) -> dict:
             sums = {"loss": 0.0, "entropy": 0.0}
             for mb in rank_micro_batches if num_loss_tokens else []:
                 mb = mb.to(device)
-                # Before the policy's forward, whose activations it would otherwise sit beside.
-                ref_logp = reference_logp(mb) if cfg.loss.kl_coef else None
-                # The output layer scores the loss tokens in chunks (lib/head.py): no (R, T, vocabulary) logits.
-                with autocast():
-                    logp, token_entropy = next_token_scores(
-                        model, mb.input_ids, mb.position_ids, mb.loss_mask, temperature, kept_sets(mb)
-                    )  # (R, T) each
-                # A token outside the trainer's recomputed kept set has probability 0 there: it leaves the loss
-                # (the inference logprob in place of the trainer's: ratio 1, no gradient) and is counted.
-                outside = mb.loss_mask & logp.isneginf()  # (R, T)
-                logp = torch.where(outside, mb.inference_logp, logp)  # (R, T)
-                # Only what the options use reaches the loss (a custom loss may take neither). A token outside
-                # the reference's recomputed kept set (probability 0 there) carries no KL.
-                extra = {"token_entropy": token_entropy} if cfg.loss.entropy_coef else {}
-                if ref_logp is not None:
-                    extra["ref_logp"] = torch.where(ref_logp.isneginf(), logp.detach(), ref_logp)  # (R, T)
-                loss, metrics = compute_loss(
-                    logp,
-                    mb.inference_logp,
-                    mb.advantages,
-                    mb.loss_mask,
-                    config=cfg.loss,
-                    rollout_index=mb.rollout_index,
-                    **counts,
-                    **extra,
-                )
-                # FSDP averages gradients over ranks; the loss is already this rank's share of the mean.
-                (loss * world_size).backward()
-                sums["loss"] += loss.item()
-                sums["entropy"] += token_share(token_entropy, mb.loss_mask, num_loss_tokens).item()
-                if kept_set != "none":
-                    share = token_share(outside.float(), mb.loss_mask, num_loss_tokens).item()
-                    sums["outside_kept_set"] = sums.get("outside_kept_set", 0.0) + share
-                for name, value in metrics.items():
-                    sums[name] = sums.get(name, 0.0) + value.item()
+                train_micro_batch(
+                    model, mb, sums, config=cfg.loss, compute_loss=compute_loss, counts=counts,
+                    temperature=temperature, kept=kept_sets(mb), count_outside=kept_set != "none",
+                    reference=reference, autocast=autocast, world_size=world_size,
+                )  # fmt: skip
             grad_norm, lr = optimizer_step(optimizer, scheduler, cfg.optim.max_grad_norm)
             if num_loss_tokens:
                 sums["grad_norm"] = grad_norm / world_size  # every rank has the full norm; summed below
@@ -519,11 +395,8 @@ def main(cfg: Config) -> dict:
                     "train/rollouts": counts["num_rollouts"],
                     "train/episodes": counts["num_episodes"],
                     "perf/tokens_per_second": num_tokens / max(train_seconds, 1e-9),
-                    # The engines' generation rate as the loop sees it: every sampled completion token
-                    # (replaced flat groups included) over the step's wall time.
-                    "perf/rollout_tokens_per_second": sum(
-                        sum(r.loss_mask) for group in batch.groups + batch.replaced_groups for r in group
-                    )
+                    # The engines' generation rate as the loop sees it: over the step's wall time.
+                    "perf/rollout_tokens_per_second": batch.sampled_tokens
                     / max(time.perf_counter() - step_began, 1e-9),
                     "time/wait_rollouts": wait_seconds,
                     "time/train": train_seconds,
@@ -555,14 +428,9 @@ def main(cfg: Config) -> dict:
                 log.flush()  # the curves on disk reach at least as far as the checkpoint
                 progress = {"world_size": world_size, **(mixture.state() if is_main else {})}
                 save_checkpoint(
-                    run_dir,
-                    step_number,
-                    model,
-                    optimizer=optimizer,
-                    scheduler=scheduler,
-                    progress=progress,
+                    run_dir, step_number, model, optimizer=optimizer, scheduler=scheduler, progress=progress,
                     keep=cfg.keep_checkpoints,
-                )
+                )  # fmt: skip
                 if is_main:
                     plot()
             if stopping and step_number < cfg.steps:

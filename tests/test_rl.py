@@ -820,3 +820,9 @@ def test_a_seq_len_shorter_than_the_prompt_stops_before_any_rollout(tiny_dir, se
     ):
         rl.main(rl_config(tiny_dir, tmp_path / "run", server.url, "--seq-len", "16"))
     assert "rollout error" not in capsys.readouterr().out
+
+
+def test_rl_py_reads_as_the_controller_s_story_in_at_most_450_lines():
+    """Server start-up, weight-sync wiring and a micro-batch's training live in lib/ (sync, head, loss)."""
+    lines = (ROOT / "scripts" / "rl.py").read_text().splitlines()
+    assert len(lines) <= 450, len(lines)

@@ -81,6 +81,50 @@ def test_memory_sync_needs_no_shared_directory_and_serves_the_trainers_weights(
     assert max(abs(a - b) for a, b in zip(logprobs, logp[len(prompt) - 1 :].tolist())) < 1e-4
 
 
+def test_two_servers_on_two_loopback_nodes_without_a_shared_directory_take_every_step(
+    elsewhere, tiny_dir, tmp_path
+):
+    """A second "node": a builtin engine bound to 127.0.0.2 with a weights root of its own, beside the one on
+    127.0.0.1; the group spans both (ranks 1 and 2) and each server is fingerprinted after every step."""
+    port = inference.free_port()
+    command = [
+        sys.executable,
+        str(ROOT / "scripts/serve.py"),
+        "--model.name",
+        str(tiny_dir),
+        "--engine",
+        "torch",
+    ]
+    command += ["--host", "127.0.0.2", "--port", str(port), "--weights-root", str(tmp_path / "own")]
+    log = open(tmp_path / "second.log", "wb")
+    second = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, env=inference.server_environment(None, 1)
+    )
+    url = f"http://127.0.0.2:{port}/v1"
+    try:
+        deadline = time.monotonic() + 120
+        while not inference.is_healthy(url, None):
+            assert second.poll() is None and time.monotonic() < deadline, (
+                tmp_path / "second.log"
+            ).read_text()
+            time.sleep(0.2)
+        args = memory_args(tiny_dir, tmp_path / "run", elsewhere.url, "--checkpoint-every", "5")
+        args[args.index("--inference.urls") + 1 : args.index("--inference.urls") + 2] = [elsewhere.url, url]
+        result = rl.main(parse(rl.Config, args))
+        # Both servers answer with the trained weights: the same tokens and logprobs for the same seed.
+        prompt = load_tokenizer(str(result["weights"]))("Reverse: hello")["input_ids"]
+        answers = [served_logprobs(u, str(tiny_dir), prompt) for u in (elsewhere.url, url)]
+    finally:
+        second.terminate()
+        second.wait(30)
+        log.close()
+    assert len(result["history"]) == 2
+    assert all(m["sync/probe_logprob_difference"] < 1e-3 for m in result["history"]), result["history"]
+    (tokens, first), (again, later) = answers
+    assert tokens == again and max(abs(a - b) for a, b in zip(first, later)) < 1e-4
+    assert sorted(path.name for path in (tmp_path / "run" / "weights").iterdir()) == ["step_0", "step_2"]
+
+
 def test_a_resumed_run_forms_the_group_again_and_goes_on_in_memory(elsewhere, tiny_dir, tmp_path):
     """The first run leaves the server's group (or dies in it); --resume forms a new one with the same server."""
     out = tmp_path / "run"
