@@ -58,9 +58,9 @@ INPUTS = "inputs.json"  # {stage: the sha256 of each file it started from}: a st
 # so its 256 give 0.02-0.03).
 DEFAULTS = {
     "smollm2": {
-        "sft_steps": 150,
+        "sft_steps": 200,
         "sft_min_lr_ratio": 0.0,
-        "rl_steps": 30,
+        "rl_steps": 40,
         "eval_examples": 256,
         "eval_rollouts": 1,
     },
