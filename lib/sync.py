@@ -50,10 +50,13 @@ class Servers:
         )
 
 
-def open_servers(cfg, model, *, save_dtype, autocast, device: str, kept_set: str, cleanup, say) -> Servers:
+def open_servers(
+    cfg, model, *, save_dtype, autocast, device: str, kept_set: str, adapter: str | None, cleanup, say
+) -> Servers:
     """rl.py's servers (rank 0) for its config `cfg`: attached to inference.urls, or one started on
     model.name (`cleanup` stops it), each request's key in this process's environment, the probe's
-    tolerance set by the trainer's dtype, and, for an in-memory sync, the sender that forms the group."""
+    tolerance set by the trainer's dtype, and, for an in-memory sync, the sender that forms the group.
+    `adapter`: the LoRA adapter's name on the servers (rl.py's), None where they load full weights."""
     import secrets
 
     import torch
@@ -74,7 +77,6 @@ def open_servers(cfg, model, *, save_dtype, autocast, device: str, kept_set: str
         # disk): no other local user can pause it or load another directory into it.
         api_key = secrets.token_urlsafe(24)
     cleanup.enter_context(envs.key_in_environment(api_key))
-    adapter = inference.ADAPTER_NAME if cfg.lora.rank and cfg.inference.lora_sync == "adapter" else None
     urls, names, _ = inference.start_or_attach(
         cfg.inference,
         model=cfg.model,

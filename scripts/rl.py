@@ -257,7 +257,7 @@ def main(cfg: Config) -> dict:
         if is_main:
             servers = sync.open_servers(
                 cfg, model, save_dtype=save_dtype, autocast=autocast, device=device, kept_set=kept_set,
-                cleanup=cleanup, say=say,
+                adapter=adapter, cleanup=cleanup, say=say,
             )  # fmt: skip
             # The prompts are rendered here, as for any run, with model.name's tokenizer and renderer.
             renderer = envs.renderer_name(cfg.model.name)
