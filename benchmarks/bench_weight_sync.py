@@ -11,6 +11,8 @@ so every fingerprint sees new weights. Prints the median of each figure over the
 Usage:
     python benchmarks/bench_weight_sync.py --model outputs/models/smollm2-135m-instruct
     python benchmarks/bench_weight_sync.py --model outputs/models/smollm2-135m-instruct --engine vllm
+    python scripts/qwen.py --qwen.shape 1.7B --out outputs/models/qwen3-1.7b-random
+    python benchmarks/bench_weight_sync.py --model outputs/models/qwen3-1.7b-random --master-dtype bfloat16
 """
 
 import argparse
@@ -29,6 +31,12 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="a Hugging Face directory")
     parser.add_argument("--engine", default="torch", choices=["torch", "vllm"])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--master-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="the trainer's weights (bfloat16 fits a 1.7B shape beside its server in 24 GiB; float32 does not)",
+    )
     args = parser.parse_args()
 
     import torch
@@ -38,7 +46,7 @@ def main() -> None:
     from lib.weights import save_weights
 
     dtype = torch.bfloat16
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)  # float32 master weights
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.master_dtype))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     figures = {"disk": [], "memory": []}
     with tempfile.TemporaryDirectory() as tmp:

@@ -62,8 +62,9 @@ class InferenceConfig:
     """How each step's full weights reach the servers: disk = weights/step_N written, every server reloads it
     (a shared file system across nodes); memory = rank 0 broadcasts them into every server's engines (vLLM's
     weight-transfer routes, lib/transfer.py; an attached vLLM needs --weight-transfer-config), weights/step_N
-    then written at checkpoints only; both are fingerprinted. auto = disk (docs/server.md has the figures).
-    LoRA adapters always go by disk."""
+    then written at checkpoints only; both are fingerprinted. auto = memory where rl.py starts its server on
+    a CPU, disk elsewhere (attached servers, GPUs; docs/server.md has the figures). LoRA adapters always go
+    by disk."""
     vllm_transfer_backend: str | None = None
     """memory sync with vLLM: its --weight-transfer-config backend (None = nccl, vLLM's own, on GPUs, and
     plainrl_gloo, plainrl's engine, on CPUs, where vLLM's nccl does nothing)."""
@@ -163,17 +164,26 @@ def transfer_backend(config: InferenceConfig, device: str) -> str:
     return config.vllm_transfer_backend or ("nccl" if device.startswith("cuda") else "plainrl_gloo")
 
 
-def check_full_sync(config: InferenceConfig, model: ModelConfig, device: str, adapter: bool) -> None:
-    """Refuses, before anything starts, the server rl.py would start that cannot take full weights: vLLM's
-    CPU build packs a mixture of experts' weights once, and its in-place reload copies the new ones in
+def weight_sync_mode(cfg, device: str, adapter: bool) -> str:
+    """rl.py's inference.weight_sync (cfg: its Config) resolved, checked before anything starts. auto =
+    memory where rl.py starts its server on a CPU and sends it full weights (the group forms over gloo on
+    this machine: no file a step, the trainer blocked for a copy instead of a write; docs/server.md's
+    figures), disk elsewhere: an attached server (a vLLM one takes memory only when started with
+    --weight-transfer-config), a LoRA adapter (`adapter`), and GPUs, where a trainer and a server on one
+    device cannot be two ranks of an NCCL group. Refused: memory with an adapter, and any full sync into a
+    mixture of experts on vLLM's CPU build, which packs its weights once and copies reloaded ones in
     unpacked (measured: greedy tokens off transformers' from the first reload; docs/server.md)."""
+    config, model = cfg.inference, cfg.model
     if config.weight_sync == "memory" and adapter:
         raise UserError(
             "inference.weight_sync memory sends full weights: LoRA runs sync their adapter from the disk "
             "(pass --inference.lora-sync merged to send the merged model, or leave weight_sync at auto)."
         )
+    mode = config.weight_sync
+    if mode == "auto":
+        mode = "disk" if config.urls or adapter or not device.startswith("cpu") else "memory"
     if config.urls or config.engine != "vllm" or device != "cpu" or adapter:
-        return
+        return mode
     from transformers import AutoConfig
 
     from lib.model import loading
@@ -186,6 +196,7 @@ def check_full_sync(config: InferenceConfig, model: ModelConfig, device: str, ad
             "train it with --inference.engine torch on CPU, or with LoRA adapters (--inference.lora-sync "
             "adapter)."
         )
+    return mode
 
 
 def start_server(

@@ -193,7 +193,7 @@ def main(cfg: Config) -> dict:
     check_model_name(cfg.model.name)
     check_env_ids(cfg.env)  # a typo ends the run here, before any run directory or server
     adapter_sync = bool(cfg.lora.rank) and cfg.inference.lora_sync == "adapter"
-    inference.check_full_sync(cfg.inference, cfg.model, resolve_device(cfg.model), adapter=adapter_sync)
+    cfg.inference.weight_sync = inference.weight_sync_mode(cfg, resolve_device(cfg.model), adapter_sync)
     run_dir = cfg.output_dir
     # Every rank joins first: rank 0 alone claims the run directory, the others take its answer (open_run).
     device = dist.init(resolve_device(cfg.model), cfg.peer_timeout)

@@ -222,8 +222,8 @@ def test_a_moe_model_is_refused_on_vllms_cpu_build_before_anything_starts(tiny_d
     assert "\n" not in message and not (tmp_path / "run").exists()
     # What can work goes on: the builtin engine, LoRA adapters (the weights never reload), a dense model.
     config = parse(rl.Config, args)
-    inference.check_full_sync(config.inference, config.model, "cpu", adapter=True)
+    assert inference.weight_sync_mode(config, "cpu", adapter=True) == "disk"
     dense = parse(rl.Config, [*args, "--model.name", str(tiny_dir)])
-    inference.check_full_sync(dense.inference, dense.model, "cpu", adapter=False)
+    assert inference.weight_sync_mode(dense, "cpu", adapter=False) == "memory"
     builtin = parse(rl.Config, [*args, "--inference.engine", "torch"])
-    inference.check_full_sync(builtin.inference, builtin.model, "cpu", adapter=False)
+    assert inference.weight_sync_mode(builtin, "cpu", adapter=False) == "memory"

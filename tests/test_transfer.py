@@ -37,6 +37,28 @@ def test_a_lora_run_asking_for_memory_sync_is_refused_before_any_work(tiny_dir, 
     assert not (tmp_path / "run").exists()
 
 
+def test_auto_sends_in_memory_to_a_server_rl_starts_on_a_cpu_and_from_the_disk_elsewhere(tiny_dir, tmp_path):
+    out = tmp_path / "run"
+    args = memory_args(tiny_dir, out, "http://127.0.0.1:9/v1")[:-2]  # weight_sync left at auto
+    attached = parse(rl.Config, args)
+    assert attached.inference.weight_sync == "auto"
+    assert inference.weight_sync_mode(attached, "cpu", adapter=False) == "disk"  # attached: a file
+    own = parse(rl.Config, [arg for arg in args if arg not in ("--inference.urls", "http://127.0.0.1:9/v1")])
+    assert inference.weight_sync_mode(own, "cpu", adapter=False) == "memory"
+    assert inference.weight_sync_mode(own, "cpu", adapter=True) == "disk"  # a LoRA adapter
+    assert inference.weight_sync_mode(own, "cuda:0", adapter=False) == "disk"  # one GPU, two NCCL ranks
+    own.inference.weight_sync = "disk"
+    assert inference.weight_sync_mode(own, "cpu", adapter=False) == "disk"  # asked for: kept
+    # A run that starts its own builtin server goes in memory: weights/step_1 is never written.
+    own.inference.weight_sync = "auto"
+    own.inference.engine, own.checkpoint_every = "torch", 5
+    result = rl.main(own)
+    assert len(result["history"]) == 2
+    assert all(m.get("sync/probe_logprob_difference", 0.0) < 1e-3 for m in result["history"])
+    assert sorted(path.name for path in (out / "weights").iterdir()) == ["step_0", "step_2"]
+    assert 'weight_sync = "memory"' in (out / "config.toml").read_text()
+
+
 @pytest.fixture(scope="module")
 def elsewhere(tiny_dir, tmp_path_factory):
     """A builtin engine that can load no run directory from the disk (its weights root is a directory of its
