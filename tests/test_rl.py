@@ -428,20 +428,21 @@ def own_server_command(tiny_dir, out, *extra) -> list[str]:
 
 def start_job_until(command: list[str], cwd, ready, env) -> subprocess.Popen:
     """Starts the command as a shell starts a job (a process group of its own, output to cwd/job.out
-    and cwd/job.err) and returns once the directory `ready` exists."""
+    and cwd/job.err) and returns once the path `ready` exists."""
     with open(cwd / "job.out", "w") as out, open(cwd / "job.err", "w") as err:
         process = subprocess.Popen(command, cwd=cwd, start_new_session=True, stdout=out, stderr=err, env=env)
     deadline = time.monotonic() + 240
-    while not ready.is_dir():  # weights live two steps (keep_weights 2): look often
+    while not ready.exists():  # a run on the disk keeps weights two steps (keep_weights 2): look often
         assert process.poll() is None and time.monotonic() < deadline, f"no {ready} appeared"
         time.sleep(0.01)
     return process
 
 
 def kill_at_step_6_then_resume(command: list[str], cwd, out, env) -> subprocess.CompletedProcess:
-    """Runs `command` (checkpoints every 4 steps) until weights/step_6 exists, kill -9s its process group,
-    checks that checkpoint 4 is the newest, and resumes it to step 8."""
-    process = start_job_until(command, cwd, out / "weights" / "step_6", env)
+    """Runs `command` (checkpoints every 4 steps) until step 6 has trained (its rollouts file, written with
+    either weight sync), kill -9s its process group, checks that checkpoint 4 is the newest, and resumes
+    it to step 8."""
+    process = start_job_until(command, cwd, out / "rollouts" / "step_6.jsonl", env)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     newest = max(int(p.name[5:]) for p in (out / "checkpoints").glob("step_*"))
@@ -453,11 +454,14 @@ def kill_at_step_6_then_resume(command: list[str], cwd, out, env) -> subprocess.
     return resumed
 
 
-def test_kill_9_then_resume_continues_from_the_last_checkpoint(tiny_dir, tmp_path):
+@pytest.mark.parametrize("weight_sync", ["memory", "disk"])  # memory: what its own server on a CPU takes
+def test_kill_9_then_resume_continues_from_the_last_checkpoint(weight_sync, tiny_dir, tmp_path):
     out = tmp_path / "run"
-    command = own_server_command(tiny_dir, out, "--steps", "40", "--checkpoint-every", "4")
+    sync = ("--inference.weight-sync", weight_sync)
+    command = own_server_command(tiny_dir, out, "--steps", "40", "--checkpoint-every", "4", *sync)
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{FIXTURES}"}  # this checkout's lib, not an installed one
-    # Killed two steps past checkpoint 4: weights/step_5 and step_6 exist, newer than what resumes.
+    # Killed two steps past checkpoint 4 (on the disk, weights/step_5 and step_6 exist, newer than what
+    # resumes; in memory the group with the dead trainer's server is formed again with a new one).
     # Killed with its process group, as a killed job would be; the server it started (in a group of its
     # own) follows through PR_SET_PDEATHSIG.
     resumed = kill_at_step_6_then_resume(command, tmp_path, out, env)
@@ -474,7 +478,9 @@ def test_a_run_killed_before_its_first_checkpoint_restarts_in_its_directory(tiny
     from conftest import tensorboard_scalars
 
     out = tmp_path / "run"
-    command = own_server_command(tiny_dir, out, "--steps", "40", "--checkpoint-every", "10")
+    # On the disk, where the dead run's weights/step_N are what the rerun must move aside.
+    sync = ("--inference.weight-sync", "disk")
+    command = own_server_command(tiny_dir, out, "--steps", "40", "--checkpoint-every", "10", *sync)
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{FIXTURES}"}
     process = start_job_until(command, tmp_path, out / "weights" / "step_3", env)
     os.killpg(process.pid, signal.SIGKILL)
@@ -513,7 +519,7 @@ def test_ctrl_c_checkpoints_the_step_it_is_on_then_resume_continues(tiny_dir, tm
     out = tmp_path / "run"
     command = own_server_command(tiny_dir, out, "--steps", "40", "--checkpoint-every", "100")
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{FIXTURES}"}  # this checkout's lib, not an installed one
-    process = start_job_until(command, tmp_path, out / "weights" / "step_3", env)
+    process = start_job_until(command, tmp_path, out / "rollouts" / "step_3.jsonl", env)
     os.killpg(process.pid, signal.SIGINT)  # a terminal's Ctrl-C goes to the job's whole process group
     process.wait(timeout=120)
     stdout, stderr = (tmp_path / "job.out").read_text(), (tmp_path / "job.err").read_text()
