@@ -321,12 +321,15 @@ def test_vllm_head_and_headless_node_both_serve_every_reload(vllm_installed, tin
     HEADLESS=1` a second node (engine 1 only, which connects to tcp://127.0.0.1:P). rl.py attached to the
     head runs 3 steps. vLLM sends /pause, reload_weights, the weight label, /reset_prefix_cache and /resume to
     every engine, and runs a request with `X-data-parallel-rank: N` on engine N: both must answer with the
-    trainer's last weights."""
+    trainer's last weights. Then a second run sends its weights in memory (both launches have plainrl's gloo
+    weight-transfer engine): the group is rank 0 and the two engines (world size 3 from /get_world_size, the
+    headless engine's rank from its data parallel index), and both engines answer with that run's weights."""
     import httpx
     from transformers import AutoModelForCausalLM
 
     port, rpc_port = free_ports(2)
     args = ["--model.dtype", "float32", "--max-model-len", "256", "--vllm.cpu-kv-cache-gib", "1"]
+    args += ["--vllm.weight-transfer-backend", "plainrl_gloo"]
     dp = {"MODEL": tiny_dir, "PORT": port, "DP": 2, "DP_LOCAL": 1, "DP_ADDRESS": "127.0.0.1"}
     dp |= {"DP_RPC_PORT": rpc_port, "ARGS": shlex.join(args)}
     nodes = [
@@ -354,23 +357,39 @@ def test_vllm_head_and_headless_node_both_serve_every_reload(vllm_installed, tin
             assert all(node.poll() is None for node in nodes), logs()
             assert time.monotonic() < deadline, logs()
             time.sleep(1)
-        flags = [*PRESET_RL, *rl_args(tiny_dir, "--steps", "3"), "--output-dir", str(tmp_path / "run")]
-        result = rl.main(parse(rl.Config, [*flags, "--inference.urls", url]))
-        assert len(result["history"]) == 3
-
-        trained = AutoModelForCausalLM.from_pretrained(result["weights"], dtype=torch.float32).eval()
         start = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
-        for rank in (0, 1):
-            choice = generate(rank).json()["choices"][0]
-            assert choice["weight_versions"][-1]["version"] == "step_3", (rank, choice["weight_versions"])
-            ids = torch.tensor([prompt + choice["token_ids"]])
-            served = torch.tensor([entry["logprob"] for entry in choice["logprobs"]["content"]])
-            for weights, name in ((trained, "trained"), (start, "start")):
-                with torch.no_grad():
-                    logp = weights(ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
-                difference = (served - logp[len(prompt) - 1 :]).abs().max().item()
-                print(f"engine {rank}: max |logprob difference| {difference:.2g} from the {name} weights")
-                assert (difference < 1e-4) == (name == "trained"), (rank, name, difference)
+
+        def both_engines_serve(result: dict, label: str) -> None:
+            trained = AutoModelForCausalLM.from_pretrained(result["weights"], dtype=torch.float32).eval()
+            for rank in (0, 1):
+                choice = generate(rank).json()["choices"][0]
+                assert choice["weight_versions"][-1]["version"] == label, (rank, choice["weight_versions"])
+                ids = torch.tensor([prompt + choice["token_ids"]])
+                served = torch.tensor([entry["logprob"] for entry in choice["logprobs"]["content"]])
+                for weights, name in ((trained, "trained"), (start, "start")):
+                    with torch.no_grad():
+                        logp = weights(ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+                    difference = (served - logp[len(prompt) - 1 :]).abs().max().item()
+                    print(f"{label}, engine {rank}: max |logprob difference| {difference:.2g} from {name}")
+                    assert (difference < 1e-4) == (name == "trained"), (rank, name, difference)
+
+        flags = [*PRESET_RL, *rl_args(tiny_dir, "--steps", "3"), "--inference.urls", url]
+        result = rl.main(parse(rl.Config, [*flags, "--output-dir", str(tmp_path / "run")]))
+        assert len(result["history"]) == 3
+        both_engines_serve(result, "step_3")
+
+        memory = ["--inference.weight-sync", "memory", "--inference.vllm-transfer-backend", "plainrl_gloo"]
+        flags = [
+            *PRESET_RL,
+            *rl_args(tiny_dir, "--seed", "1", "--checkpoint-every", "2"),
+            "--inference.urls",
+            url,
+            *memory,
+        ]
+        result = rl.main(parse(rl.Config, [*flags, "--output-dir", str(tmp_path / "memory")]))
+        assert len(result["history"]) == 2
+        assert not (tmp_path / "memory/weights/step_1").exists()  # sent in memory, not written
+        both_engines_serve(result, "step_2")
         outside = generate(2)  # the header is read, not ignored
         assert outside.status_code == 400 and "out of range [0, 2)" in outside.text, outside.text
     finally:
