@@ -179,10 +179,10 @@ def weight_sync_mode(cfg, device: str, adapter: bool) -> str:
             "inference.weight_sync memory sends full weights: LoRA runs sync their adapter from the disk "
             "(pass --inference.lora-sync merged to send the merged model, or leave weight_sync at auto)."
         )
-    mode = config.weight_sync
+    mode, cpu = config.weight_sync, device.startswith("cpu")
     if mode == "auto":
-        mode = "disk" if config.urls or adapter or not device.startswith("cpu") else "memory"
-    if config.urls or config.engine != "vllm" or device != "cpu" or adapter:
+        mode = "disk" if config.urls or adapter or not cpu else "memory"
+    if config.urls or config.engine != "vllm" or not cpu or adapter:
         return mode
     from transformers import AutoConfig
 

@@ -192,8 +192,9 @@ def main(cfg: Config) -> dict:
     is_main = rank == 0
     check_model_name(cfg.model.name)
     check_env_ids(cfg.env)  # a typo ends the run here, before any run directory or server
-    adapter_sync = bool(cfg.lora.rank) and cfg.inference.lora_sync == "adapter"
-    cfg.inference.weight_sync = inference.weight_sync_mode(cfg, resolve_device(cfg.model), adapter_sync)
+    # LoRA: the adapter's name on the servers, None where they load the merged model.
+    adapter = inference.ADAPTER_NAME if cfg.lora.rank and cfg.inference.lora_sync == "adapter" else None
+    cfg.inference.weight_sync = inference.weight_sync_mode(cfg, resolve_device(cfg.model), bool(adapter))
     run_dir = cfg.output_dir
     # Every rank joins first: rank 0 alone claims the run directory, the others take its answer (open_run).
     device = dist.init(resolve_device(cfg.model), cfg.peer_timeout)
@@ -238,8 +239,6 @@ def main(cfg: Config) -> dict:
     # kept set when top-k/top-p filter it (lib/head.py KeptSets).
     temperature, sampling = cfg.sampling.temperature, bounded(cfg.sampling)
     kept_set = inference.kept_set_mode(cfg, device)
-    # LoRA: the adapter's name on the servers, None where they load the merged model.
-    adapter = inference.ADAPTER_NAME if cfg.lora.rank and cfg.inference.lora_sync == "adapter" else None
 
     start, progress = 0, {}
     if cfg.resume and resume_from:
