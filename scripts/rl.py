@@ -176,7 +176,7 @@ def main(cfg: Config) -> dict:
     from lib.config import to_dict
     from lib.head import Reference, micro_batch_kept_sets
     from lib.log import RunLog, rl_line, say
-    from lib.loss import loss_function, train_micro_batch
+    from lib.loss import loss_function
     from lib.mixture import load_mixture
     from lib.model import check_model_name, load_tokenizer, load_trainable, resolve_device
     from lib.optim import build_optimizer, optimizer_step
@@ -185,6 +185,7 @@ def main(cfg: Config) -> dict:
     from lib.producer import Producer
     from lib.rollouts import write_records
     from lib.tasks import check_env_ids
+    from lib.train import train_micro_batch
     from lib.weights import servable
 
     # ------------------------------------------------------------ config and run directory
