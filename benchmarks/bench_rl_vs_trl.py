@@ -33,6 +33,11 @@ Usage:
     python benchmarks/bench_rl_vs_trl.py --model M --top-p 0.9 --top-k 20      # kept sets replayed
     python benchmarks/bench_rl_vs_trl.py --model outputs/demo/sft/weights/step_150 --preset configs/smollm2/rl.toml \
         --plainrl-args "--micro-batch-size 2 --model.dtype float32" --steps 4 --warmup 1   # the real model
+    # the control on reverse_text itself: TRL trains on the tasks a demo's RL stage drew, in its order, and
+    # eval.py scores the start model and both sides' last weights on the same held-out tasks
+    python benchmarks/bench_rl_vs_trl.py --model outputs/demo/sft/weights/step_200 --taskset reverse_text \
+        --plainrl-run outputs/demo/rl --warmup 0 --steps 30 --trl-bf16 --save-every 10 \
+        --score configs/smollm2/eval.toml --out outputs/trl-control
 (bench_trl_grpo.py's docstring shows how to make the TRL virtualenv.)
 """
 
@@ -78,11 +83,16 @@ def summary(name: str, intervals: list[float], rollouts_per_step: int, **extra) 
     }
 
 
-def run_trl(args) -> dict:
+def run_trl(args, out: Path, prompts: Path | None) -> dict:
     command = [
         args.trl_python,
         str(HERE / "bench_trl_grpo.py"),
         args.model,
+        "--output-dir",
+        str(out),
+        "--save-every",
+        str(args.save_every),
+        *(["--prompts", str(prompts)] if prompts else []),
         "--steps",
         str(args.steps),
         "--warmup",
@@ -108,8 +118,6 @@ def run_trl(args) -> dict:
 
 
 def run_plainrl(args, out: Path) -> dict:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     steps = args.warmup + args.steps
     command = [
         sys.executable,
@@ -120,10 +128,12 @@ def run_plainrl(args, out: Path) -> dict:
         str(ROOT / "configs/recipes" / f"{args.recipe}.toml"),  # the loss (trl: TRL's own, by default)
         "--model.name",
         args.model,
-        "--env.id",
-        "trl_bench_taskset",
-        "--env.num-examples",
-        str(steps * 8),
+        # reverse_text: the preset's own tasks, drawn as rl.py draws them (TRL then takes the same ones)
+        *(
+            ["--env.id", "trl_bench_taskset", "--env.num-examples", str(steps * 8)]
+            if args.taskset == "trl_bench"
+            else []
+        ),
         "--steps",
         str(steps),
         "--examples-per-step",
@@ -158,6 +168,13 @@ def run_plainrl(args, out: Path) -> dict:
     result = subprocess.run(command, capture_output=True, text=True, env=env)
     if result.returncode != 0:
         sys.exit(f"the plainrl run failed:\n{result.stderr[-3000:]}")
+    return plainrl_figures(args, out)
+
+
+def plainrl_figures(args, out: Path) -> dict:
+    """The figures of an rl.py run directory: step times from tensorboard, rewards, the loss's diagnostics."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     events = EventAccumulator(str(out / "tb")).Reload()
     ends = [event.wall_time for event in events.Scalars("time/step")]
     ends[-1] = max(ends[-1], last_reload_time(out / "server.log"))
@@ -184,6 +201,54 @@ def run_plainrl(args, out: Path) -> dict:
         reward_last10=round(statistics.fmean(rewards[-10:]), 4),
         rewards=[round(reward, 4) for reward in rewards],
     )
+
+
+def drawn_prompts(run_dir: Path, steps: int, out: Path) -> Path:
+    """The prompts an rl.py run drew, in its order (one per group, from rollouts/step_N.jsonl), as
+    bench_trl_grpo.py's --prompts file: TRL then trains on the very tasks plainrl did, step by step."""
+    lines = []
+    for step in range(1, steps + 1):
+        path = run_dir / "rollouts" / f"step_{step}.jsonl"
+        if not path.is_file():
+            sys.exit(f"{path} is missing: the plainrl run has fewer than {steps} steps.")
+        seen = set()
+        for record in map(json.loads, path.read_text().splitlines()):
+            if record["task_id"] in seen:
+                continue
+            seen.add(record["task_id"])
+            # rollout records show the prompt as "[system] ...\n[user] ..." (lib/envs.py)
+            system, _, user = record["prompt"].partition("\n[user] ")
+            if not system.startswith("[system] ") or "\n[" in user:
+                sys.exit(f"{path}: a prompt other than one system and one user message: {record['prompt']!r}")
+            messages = [{"role": "system", "content": system[9:]}, {"role": "user", "content": user}]
+            lines.append(json.dumps({"prompt": messages, "text": user}) + "\n")
+    out.write_text("".join(lines))
+    return out
+
+
+def score(args, weights: Path, name: str, out: Path) -> dict:
+    """eval.py's held-out reward of `weights` on reverse_text with the --score preset: sampled at temperature 1
+    and greedy, each with its standard error."""
+    figures = {}
+    for kind, temperature in (("sampled", "1.0"), ("greedy", "0.0")):
+        run_name = f"{name}-{kind}"
+        if not (out / run_name / "summary.json").is_file():
+            command = [
+                sys.executable,
+                str(ROOT / "scripts/eval.py"),
+                "reverse_text",
+                "@",
+                str(ROOT / args.score),
+            ]
+            command += ["-m", str(weights), "--sampling.temperature", temperature]
+            command += ["--output-dir", str(out), "--name", run_name]
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode != 0:
+                sys.exit(f"eval.py failed on {weights}:\n{result.stderr[-3000:]}")
+        summary = json.loads((out / run_name / "summary.json").read_text())
+        error = summary["std_reward"] / summary["num_rollouts"] ** 0.5
+        figures[kind] = f"{summary['avg_reward']:.3f} +- {error:.3f}"
+    return {"weights": str(weights), **figures}
 
 
 def main() -> None:
@@ -240,21 +305,64 @@ def main() -> None:
     parser.add_argument(
         "--skip-trl", action="store_true", help="plainrl's side alone (TRL's figures from another run)."
     )
+    parser.add_argument("--taskset", choices=("trl_bench", "reverse_text"), default="trl_bench", help="The "
+                        "training tasks: trl_bench (2-4 common words, both sides' prompts made alike) or "
+                        "reverse_text (the preset's own, as rl.py draws them; TRL gets the same ones in the same "
+                        "order from plainrl's rollout records, so plainrl runs first).")  # fmt: skip
+    parser.add_argument("--plainrl-run", help="An rl.py run directory to compare with instead of running plainrl "
+                        "(one seed; e.g. a demo's rl/, run with this bench's settings).")  # fmt: skip
+    parser.add_argument("--out", help="Keep the runs here (plainrl-seedN/, trl-seedN/ with TRL's weights) "
+                        "instead of a temporary directory.")  # fmt: skip
+    parser.add_argument("--save-every", type=int, default=0, help="TRL saves its weights every N steps (the "
+                        "last step's always when --score is given).")  # fmt: skip
+    parser.add_argument("--score", help="An eval.py preset (configs/smollm2/eval.toml): score the start model "
+                        "and both sides' last weights on its held-out reverse_text tasks, sampled at "
+                        "temperature 1 and greedily. Needs --out.")  # fmt: skip
     args = parser.parse_args()
+    total = args.warmup + args.steps
+    if args.score and not args.out:
+        sys.exit("--score needs --out: the weights it scores are kept there.")
+    if args.score and not args.save_every:
+        args.save_every = total
+    if args.plainrl_run and len(args.seeds) > 1:
+        sys.exit("--plainrl-run is one run: give one seed.")
     if not (ROOT / "configs/recipes" / f"{args.recipe}.toml").is_file():
         sys.exit(f"no recipe configs/recipes/{args.recipe}.toml.")
     if not args.skip_trl and not Path(args.trl_python).is_file():
         sys.exit(f"no TRL virtualenv at {args.trl_python}: make one as bench_trl_grpo.py's docstring shows.")
 
     runs = []
-    for seed in args.seeds:
-        args.seed = seed
-        trl = None if args.skip_trl else run_trl(args)
-        print(json.dumps({"seed": seed, **(trl or {})}), flush=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            plainrl = run_plainrl(args, Path(tmp) / "run")
-        print(json.dumps({"seed": seed, **plainrl}), flush=True)
-        runs.append((trl, plainrl))
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(args.out or tmp)
+        base.mkdir(parents=True, exist_ok=True)
+        for seed in args.seeds:
+            args.seed = seed
+            plainrl_dir = Path(args.plainrl_run) if args.plainrl_run else base / f"plainrl-seed{seed}"
+            trl_dir, trl = base / f"trl-seed{seed}", None
+
+            if args.taskset == "trl_bench" and not args.skip_trl:
+                trl = run_trl(args, trl_dir, None)
+                print(json.dumps({"seed": seed, **trl}), flush=True)
+            if args.plainrl_run:
+                plainrl = plainrl_figures(args, plainrl_dir)
+            else:
+                plainrl = run_plainrl(args, plainrl_dir)
+            print(json.dumps({"seed": seed, **plainrl}), flush=True)
+            if args.taskset == "reverse_text" and not args.skip_trl:
+                prompts = drawn_prompts(plainrl_dir, total, base / f"prompts-seed{seed}.jsonl")
+                trl = run_trl(args, trl_dir, prompts)
+                print(json.dumps({"seed": seed, **trl}), flush=True)
+            if args.score:
+                scores = {"start": score(args, Path(args.model), "start", base / "scores")}
+                scores["plainrl"] = score(
+                    args, plainrl_dir / "weights" / f"step_{total}", f"plainrl-seed{seed}", base / "scores"
+                )
+                if trl:
+                    scores["trl"] = score(
+                        args, trl_dir / f"checkpoint-{total}", f"trl-seed{seed}", base / "scores"
+                    )
+                print(json.dumps({"seed": seed, "held_out": scores}), flush=True)
+            runs.append((trl, plainrl))
     if args.skip_trl:
         return
     from lib.model import cpu_name

@@ -82,7 +82,17 @@ def main():
     parser.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass (1 = off).")
     parser.add_argument("--top-k", type=int, default=0, help="Top-k filtering (0 = off, TRL's convention).")
     parser.add_argument(
-        "--output-dir", default="/tmp/bench_trl_grpo", help="TRL's output directory (nothing saved)."
+        "--prompts",
+        help="A JSONL file of {prompt: chat messages, text: the text to reverse}, one line per prompt in the "
+        "order the steps take them (default: make_prompts()).",
+    )
+    parser.add_argument(
+        "--save-every", type=int, default=0, help="Save the weights every N steps (0 = never)."
+    )
+    parser.add_argument(
+        "--output-dir",
+        default="/tmp/bench_trl_grpo",
+        help="TRL's output directory (its checkpoint-N directories when --save-every is given).",
     )
     args = parser.parse_args()
 
@@ -98,7 +108,15 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     total_steps = args.warmup + args.steps
-    dataset = datasets.Dataset.from_list(make_prompts(total_steps * args.examples_per_step))
+    needed = total_steps * args.examples_per_step
+    if args.prompts:
+        with open(args.prompts) as lines:
+            prompts = [json.loads(line) for line in lines][:needed]
+        if len(prompts) < needed:
+            raise SystemExit(f"{args.prompts} has {len(prompts)} prompts; {needed} steps' worth are needed.")
+    else:
+        prompts = make_prompts(needed)
+    dataset = datasets.Dataset.from_list(prompts)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
 
@@ -126,7 +144,9 @@ def main():
         num_iterations=1,
         shuffle_dataset=False,
         logging_steps=1,
-        save_strategy="no",
+        save_strategy="steps" if args.save_every else "no",
+        save_steps=args.save_every or 500,
+        save_only_model=True,
         report_to="none",
         disable_tqdm=True,
         dataloader_num_workers=0,
