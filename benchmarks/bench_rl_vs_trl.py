@@ -339,7 +339,6 @@ def main() -> None:
             args.seed = seed
             plainrl_dir = Path(args.plainrl_run) if args.plainrl_run else base / f"plainrl-seed{seed}"
             trl_dir, trl = base / f"trl-seed{seed}", None
-
             if args.taskset == "trl_bench" and not args.skip_trl:
                 trl = run_trl(args, trl_dir, None)
                 print(json.dumps({"seed": seed, **trl}), flush=True)
