@@ -1,7 +1,7 @@
 """rl.py's forward and backward of one micro-batch: the policy's logprobs of its loss tokens, the loss over
 them, the backward that adds to the step's gradient, and the step's sums of its scalars."""
 
-from lib.head import next_token_scores
+from lib import head
 from lib.loss import LossConfig, token_share
 
 
@@ -20,7 +20,7 @@ def train_micro_batch(
     # Before the policy's forward, whose activations it would otherwise sit beside.
     ref_logp = scoring["reference"].logp(mb, kept) if config.kl_coef else None
     with scoring["autocast"]():
-        logp, token_entropy = next_token_scores(
+        logp, token_entropy = head.next_token_scores(
             model, mb.input_ids, mb.position_ids, mb.loss_mask, scoring["temperature"], kept
         )  # (R, T) each
     # A token outside the trainer's recomputed kept set has probability 0 there: it leaves the loss (the
