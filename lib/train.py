@@ -1,6 +1,8 @@
 """rl.py's forward and backward of one micro-batch: the policy's logprobs of its loss tokens, the loss over
 them, the backward that adds to the step's gradient, and the step's sums of its scalars."""
 
+import torch
+
 from lib import head
 from lib.loss import LossConfig, token_share
 
@@ -14,8 +16,6 @@ def train_micro_batch(
     (loss, entropy, the loss's metrics, outside_kept_set), every rank the same keys. `scoring`: temperature,
     kept (lib/head.py KeptSets or None), count_outside (the run has kept sets), reference (lib/head.py
     Reference, for kl_coef), autocast and world_size."""
-    import torch
-
     kept, world_size, num_loss_tokens = scoring["kept"], scoring["world_size"], counts["num_loss_tokens"]
     # Before the policy's forward, whose activations it would otherwise sit beside.
     ref_logp = scoring["reference"].logp(mb, kept) if config.kl_coef else None
