@@ -48,29 +48,19 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # finds lib/ outside 
 import lib.venv  # noqa: F401  (first: says which python to use when the dependencies are missing)
 from lib.config import UserError, parse, run_main, to_dict, write_atomically, write_config
 from lib.models import SMOLLM2_DIR
+from lib.venv import ROOT
 
 SETTINGS = "demo.toml"  # the settings the demo in a directory was started with
 INPUTS = "inputs.json"  # {stage: the sha256 of each file it started from}: a stage made from others is redone
 
 
-# Each recipe's settings where the command line leaves them out (None): its presets' steps, and held-out
-# evaluations large enough for a standard error under 0.02 (docs/smollm2.md; rl-first's rewards are 0 or 1,
-# so its 256 give 0.02-0.03).
+# Each recipe's settings where the command line leaves them out (None), besides the steps of its presets
+# (configs/<presets>/{sft,rl}.toml, read in Config): held-out evaluations large enough for a standard error
+# under 0.02 (docs/smollm2.md; rl-first's rewards are 0 or 1, so its 256 give 0.02-0.03). The tiny model's
+# demo stops its SFT early on purpose (the module's docstring), so it sets its own steps.
 DEFAULTS = {
-    "smollm2": {
-        "sft_steps": 200,
-        "sft_min_lr_ratio": 0.0,
-        "rl_steps": 30,
-        "eval_examples": 256,
-        "eval_rollouts": 1,
-    },
-    "rl-first": {
-        "sft_steps": 0,
-        "sft_min_lr_ratio": 0.0,
-        "rl_steps": 40,
-        "eval_examples": 256,
-        "eval_rollouts": 1,
-    },
+    "smollm2": {"sft_min_lr_ratio": 0.0, "eval_examples": 256, "eval_rollouts": 1},
+    "rl-first": {"sft_steps": 0, "sft_min_lr_ratio": 0.0, "eval_examples": 256, "eval_rollouts": 1},
     "tiny": {
         "sft_steps": 1200,
         "sft_min_lr_ratio": 0.3,
@@ -92,11 +82,11 @@ class Config:
     """Run directory: sft/, rl/, eval/ and reward_curve.png go here (default outputs/demo, outputs/demo-tiny
     or outputs/demo-arithmetic)."""
     sft_steps: int | None = None
-    """SFT steps on synthetic reverse_text (default: the model's, above)."""
+    """SFT steps on synthetic reverse_text (default: its preset's, configs/<model>/sft.toml; tiny: 1200)."""
     sft_min_lr_ratio: float | None = None
     """Where the SFT stage's cosine schedule ends, as a fraction of the peak learning rate."""
     rl_steps: int | None = None
-    """RL steps."""
+    """RL steps (default: its preset's, configs/<model or smollm2_arithmetic>/rl.toml; tiny: 250)."""
     eval_examples: int | None = None
     """Held-out examples per evaluation (the same ones every time), sampled at the RL temperature."""
     eval_rollouts: int | None = None
@@ -133,6 +123,10 @@ class Config:
         for key, value in DEFAULTS[self.model if self.sft else self.recipe].items():
             if getattr(self, key) is None:
                 setattr(self, key, value)
+        for key, stage in (("sft_steps", "sft"), ("rl_steps", "rl")):
+            if getattr(self, key) is None:
+                preset = ROOT / "configs" / self.presets / f"{stage}.toml"
+                setattr(self, key, tomllib.loads(preset.read_text())["steps"])
         if min(self.rl_steps, self.eval_examples, self.eval_rollouts) < 1 or (
             self.sft and self.sft_steps < 1
         ):

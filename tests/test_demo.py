@@ -6,6 +6,7 @@ import hashlib
 import io
 import json
 import shutil
+import tomllib
 
 import pytest
 from conftest import load_script
@@ -13,6 +14,13 @@ from conftest import load_script
 from lib.config import UserError
 
 demo = load_script("demo")
+
+
+def preset_steps(name: str) -> int:
+    """The steps a preset under configs/ sets (`name`: "smollm2/rl")."""
+    return tomllib.loads((demo.ROOT / "configs" / f"{name}.toml").read_text())["steps"]
+
+
 TOY = {"model": "tiny", "sft_steps": 4, "rl_steps": 2, "eval_examples": 4, "eval_rollouts": 1}
 
 
@@ -212,6 +220,8 @@ def test_the_real_model_demo_is_the_seed_recipe_with_its_presets(tmp_path, monke
         configs.setdefault(args[0], []).append(parse(script.Config, args[1:]))
     evals, (sft,), (rl,) = (configs[f"scripts/{name}.py"] for name in ("eval", "sft", "rl"))
     assert sft.model.name == str(SMOLLM2_DIR) and sft.steps == cfg.sft_steps and sft.resume
+    # The steps are the presets' own, read from them rather than written again in the demo.
+    assert (sft.steps, rl.steps) == (preset_steps("smollm2/sft"), preset_steps("smollm2/rl"))
     assert (
         rl.model.name == str(sft.output_dir / "weights" / f"step_{cfg.sft_steps}")
         and rl.steps == cfg.rl_steps
@@ -310,7 +320,7 @@ def test_the_rl_first_demo_is_base_eval_rl_eval_on_held_out_arithmetic(tmp_path,
     assert (
         rl.model.name == str(SMOLLM2_DIR) and rl.steps == cfg.rl_steps and rl.env.id == "plainrl_arithmetic"
     )
-    assert rl.env.kwargs["split"] == "train"
+    assert rl.env.kwargs["split"] == "train" and rl.steps == preset_steps("smollm2_arithmetic/rl")
     weights = [str(SMOLLM2_DIR), str(rl.output_dir / "weights" / f"step_{rl.steps}")]
     assert [e.model.name for e in evals] == [w for w in weights for _ in range(2)]
     assert {(e.env, json.loads(e.env_args)["split"], e.num_examples) for e in evals} == {
