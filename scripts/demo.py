@@ -117,22 +117,25 @@ class Config:
     def __post_init__(self):
         if not self.sft and self.model != "smollm2":
             raise UserError("--recipe rl-first runs SmolLM2 only: the tiny model reads no arithmetic.")
-        if self.out is None:
-            default = {"smollm2": "outputs/demo", "tiny": "outputs/demo-tiny"}[self.model]
-            self.out = Path(default if self.sft else "outputs/demo-arithmetic")
-        for key, value in DEFAULTS[self.model if self.sft else self.recipe].items():
-            if getattr(self, key) is None:
-                setattr(self, key, value)
-        for key, stage in (("sft_steps", "sft"), ("rl_steps", "rl")):
-            if getattr(self, key) is None:
-                preset = ROOT / "configs" / self.presets / f"{stage}.toml"
-                setattr(self, key, tomllib.loads(preset.read_text())["steps"])
-        if min(self.rl_steps, self.eval_examples, self.eval_rollouts) < 1 or (
-            self.sft and self.sft_steps < 1
-        ):
-            raise UserError("sft_steps, rl_steps, eval_examples and eval_rollouts must be at least 1.")
-        if not 0 <= self.sft_min_lr_ratio <= 1:
-            raise UserError("sft_min_lr_ratio must be in [0, 1].")
+
+
+def resolved(cfg: Config) -> Config:
+    """`cfg` with what the command line left out (None) filled in: the recipe's DEFAULTS, its presets' steps
+    and its run directory; then checked."""
+    filled = dict(DEFAULTS[cfg.model if cfg.sft else cfg.recipe])
+    for key, stage in (("sft_steps", "sft"), ("rl_steps", "rl")):
+        if key not in filled:
+            filled[key] = tomllib.loads((ROOT / "configs" / cfg.presets / f"{stage}.toml").read_text())[
+                "steps"
+            ]
+    default = {"smollm2": "outputs/demo", "tiny": "outputs/demo-tiny"}[cfg.model]
+    filled["out"] = Path(default if cfg.sft else "outputs/demo-arithmetic")
+    cfg = dataclasses.replace(cfg, **{k: v for k, v in filled.items() if getattr(cfg, k) is None})
+    if min(cfg.rl_steps, cfg.eval_examples, cfg.eval_rollouts) < 1 or (cfg.sft and cfg.sft_steps < 1):
+        raise UserError("sft_steps, rl_steps, eval_examples and eval_rollouts must be at least 1.")
+    if not 0 <= cfg.sft_min_lr_ratio <= 1:
+        raise UserError("sft_min_lr_ratio must be in [0, 1].")
+    return cfg
 
 
 @dataclasses.dataclass
@@ -372,6 +375,7 @@ def check_settings(cfg: Config) -> None:
 
 
 def main(cfg: Config) -> dict:
+    cfg = resolved(cfg)
     print(f"run dir: {cfg.out}")
     start = time.perf_counter()
     check_settings(cfg)

@@ -199,7 +199,7 @@ def test_the_real_model_demo_is_the_seed_recipe_with_its_presets(tmp_path, monke
     from lib.models import SMOLLM2_DIR
 
     ran = recording(monkeypatch, tmp_path / "demo")
-    cfg = demo.Config(out=tmp_path / "demo")
+    cfg = demo.resolved(demo.Config(out=tmp_path / "demo"))
     stages = demo.stages(cfg, contextlib.ExitStack())  # the builtin engine: no server of its own to stop
     assert [stage.name for stage in stages] == [
         "model",
@@ -273,7 +273,9 @@ def test_the_demo_through_vllm_runs_every_stage_on_one_server(
 
     monkeypatch.setattr(lib.inference, "running_server", session_server)
     monkeypatch.setattr(reload, "reload_weights", reload_weights)
-    cfg = demo.Config(out=tmp_path / "demo", engine="vllm", **TOY | {"sft_steps": 2, "rl_steps": 1})
+    cfg = demo.resolved(
+        demo.Config(out=tmp_path / "demo", engine="vllm", **TOY | {"sft_steps": 2, "rl_steps": 1})
+    )
     try:
         printed = run_demo(cfg)
     finally:
@@ -306,7 +308,7 @@ def test_the_rl_first_demo_is_base_eval_rl_eval_on_held_out_arithmetic(tmp_path,
 
     assert dry_run("demo-arithmetic") == [".venv/bin/python", "scripts/demo.py", "--recipe", "rl-first"]
     ran = recording(monkeypatch, tmp_path / "demo")
-    cfg = demo.parse(demo.Config, ["--recipe", "rl-first", "--out", str(tmp_path / "demo")])
+    cfg = demo.resolved(demo.parse(demo.Config, ["--recipe", "rl-first", "--out", str(tmp_path / "demo")]))
     stages = demo.stages(cfg, contextlib.ExitStack())
     names = ["model", "eval of the base model", "rl", "eval after RL", "reward curve"]
     assert [stage.name for stage in stages] == names
@@ -329,6 +331,9 @@ def test_the_rl_first_demo_is_base_eval_rl_eval_on_held_out_arithmetic(tmp_path,
     assert [e.sampling.temperature for e in evals] == [rl.sampling.temperature, 0.0] * 2
     with pytest.raises(UserError, match="SmolLM2 only"):
         demo.Config(recipe="rl-first", model="tiny")
+    with pytest.raises(UserError, match="must be at least 1"):
+        demo.main(demo.Config(recipe="rl-first", rl_steps=0, out=tmp_path / "none"))
+    assert not (tmp_path / "none").exists()  # refused before it made anything
 
 
 def half_failed(run_dir) -> None:
