@@ -55,7 +55,7 @@ INPUTS = "inputs.json"  # {stage: the sha256 of each file it started from}: a st
 
 
 # Each recipe's settings where the command line leaves them out (None), besides the steps of its presets
-# (configs/<presets>/{sft,rl}.toml, read in Config): held-out evaluations large enough for a standard error
+# (configs/<presets>/{sft,rl}.toml, read in resolved()): held-out evaluations large enough for a standard error
 # under 0.02 (docs/smollm2.md; rl-first's rewards are 0 or 1, so its 256 give 0.02-0.03). The tiny model's
 # demo stops its SFT early on purpose (the module's docstring), so it sets its own steps.
 DEFAULTS = {
@@ -124,10 +124,9 @@ def resolved(cfg: Config) -> Config:
     and its run directory; then checked."""
     filled = dict(DEFAULTS[cfg.model if cfg.sft else cfg.recipe])
     for key, stage in (("sft_steps", "sft"), ("rl_steps", "rl")):
+        preset = ROOT / "configs" / cfg.presets / f"{stage}.toml"
         if key not in filled:
-            filled[key] = tomllib.loads((ROOT / "configs" / cfg.presets / f"{stage}.toml").read_text())[
-                "steps"
-            ]
+            filled[key] = tomllib.loads(preset.read_text())["steps"]
     default = {"smollm2": "outputs/demo", "tiny": "outputs/demo-tiny"}[cfg.model]
     filled["out"] = Path(default if cfg.sft else "outputs/demo-arithmetic")
     cfg = dataclasses.replace(cfg, **{k: v for k, v in filled.items() if getattr(cfg, k) is None})
