@@ -183,7 +183,7 @@ def plot(runs: list[dict], path: Path) -> None:
             color=color,
             marker="o",
             capsize=3,
-            label=f"{r['label']} sampled",
+            label=r["label"],
         )
         held.plot(
             steps,
@@ -191,14 +191,14 @@ def plot(runs: list[dict], path: Path) -> None:
             color=color,
             ls="--",
             marker="x",
-            label=f"{r['label']} greedy",
         )
-        train.plot(r["steps"], r["train_reward"], color=color, alpha=0.8, label=r["label"])
+        train.plot(r["steps"], r["train_reward"], color=color, alpha=0.8)
     held.set(xlabel="RL step", ylabel="held-out reward", title="held-out (sampled ± SE, greedy dashed)")
     train.set(xlabel="RL step", ylabel="reward", title="training steps' own reward (mean of the step)")
-    held.legend(fontsize=7)
-    train.legend(fontsize=7)
-    figure.tight_layout()
+    # One legend for both panels, under them: a run's colour is the same in each, and inside a panel the
+    # legend hid the last evaluations.
+    figure.legend(loc="lower center", ncol=min(len(runs), 6), fontsize=8)
+    figure.tight_layout(rect=(0, 0.07, 1, 1))
     figure.savefig(path, dpi=100)
 
 
