@@ -15,6 +15,13 @@ def test_the_answer_is_the_tagged_integer_else_the_last_one_written():
     assert arith.parse_answer("<answer>seven</answer> 7") is None  # a block without an integer: no answer
     assert arith.parse_answer("no idea") is None and arith.parse_answer("") is None
     assert arith.last_number("2 - 8 = -6") == -6
+    # "1,2" is no way of writing twelve; "12.0" is twelve, tagged or not; "12.5" is no integer
+    assert (
+        arith.parse_answer("<answer>1,2</answer>") is None
+        and arith.parse_answer("<answer>12.0</answer>") == 12
+    )
+    assert arith.parse_answer("so it is 12.0") == 12 and arith.parse_answer("about 12.5") is None
+    assert arith.parse_answer("1,2 or 3") == 3 and arith.parse_answer("<answer>-1,024.00</answer>") == -1024
 
 
 def rewards(reply: str, expression: str, answer: int) -> dict:
@@ -49,7 +56,8 @@ def test_reward_is_one_for_the_exact_value_only_and_metrics_tell_format_from_sum
         "tagged": 1,
         "last_number_correct": 0,
     }
-    assert rewards("<answer>15.0</answer>", "8 + 7", 15)["correct"] == 0  # an integer task wants an integer
+    assert rewards("<answer>15.0</answer>", "8 + 7", 15)["correct"] == 1  # fifteen, written as a decimal
+    assert rewards("<answer>1,5</answer>", "8 + 7", 15)["correct"] == 0
 
 
 def test_problems_are_seeded_evaluated_as_written_and_split_apart():
@@ -68,6 +76,27 @@ def test_problems_are_seeded_evaluated_as_written_and_split_apart():
         assert all(1 <= int(n) <= 20 for n in expression.split(" ")[::2])
     assert not {p for p, _ in train} & {p for p, _ in test}  # no test problem is ever a training one
     assert len({p for p, _ in test}) > 100  # and the test split is no handful
+
+
+def test_a_sum_written_the_other_way_round_is_the_same_problem_and_test_problems_come_once():
+    """The split goes by the problem, not its text: "3 + 12" is in the split "12 + 3" is in; and the test
+    split gives each problem once, then ends, so an evaluation's count is of distinct problems."""
+    assert arith.canonical("12 + 3") == arith.canonical("3 + 12") == "3 + 12"
+    assert arith.canonical("12 - 3") == "12 - 3" and arith.canonical("5 * 2 * 3") == "2 * 3 * 5"
+    for a in range(1, 30):
+        for b in range(1, 30):
+            assert arith.in_split(f"{a} + {b}", "test") == arith.in_split(f"{b} + {a}", "test")
+
+    def problems(split: str, max_operand: int, num_examples: int = 2000) -> list[str]:
+        args = f'{{"split": "{split}", "max_operand": {max_operand}}}'
+        env = EnvConfig(id="plainrl_arithmetic", args=args, num_examples=num_examples)
+        return [c[1]["content"].removeprefix("What is ").removesuffix("?") for c in sft_conversations(env)]
+
+    test, train = problems("test", max_operand=8), problems("train", max_operand=8)
+    assert not {arith.canonical(p) for p in test} & {arith.canonical(p) for p in train}
+    assert len({arith.canonical(p) for p in test}) == len(test)  # each once
+    # 8 * 8 differences and 36 sums: the test split holds about a fifth of the 100, and ends there
+    assert 8 < len(test) < 40
 
 
 def test_bad_arguments_fail_in_one_sentence():

@@ -21,13 +21,22 @@ from lib.config import UserError
 
 SYSTEM_PROMPT = "Solve the arithmetic problem. Give only the final number in <answer></answer> tags."
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-NUMBER = re.compile(r"-?\d[\d,]*")
+# An integer as people write one: digits, commas only between groups of three ("1,024", never "1,2"), and a
+# decimal part that is all zeros ("12.0"). A number with any other decimal part is no integer at all.
+INTEGER = r"-?\d{1,3}(?:,\d{3})+(?:\.0+)?|-?\d+(?:\.0+)?"
+NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
+# Draws in a row that give no new problem of the split before its generator takes the split as exhausted
+# (the test split gives each problem once). A given problem is one of max_operand**num_operands * 3**(n-1)
+# ways of writing: at max_operand 20 the last new one comes within ~10,000 draws.
+EXHAUSTED_AFTER = 100_000
 
 
 def as_int(text: str) -> int | None:
-    """`text` as an integer ("1,024" and " 12 " too), or None when it is not one."""
-    text = text.strip().replace(",", "")
-    return int(text) if re.fullmatch(r"-?\d+", text) else None
+    """`text` as an integer (" 1,024 " and "12.0" too), or None when it is not one ("1,2", "12.5", "seven")."""
+    text = text.strip()
+    if not re.fullmatch(INTEGER, text):
+        return None
+    return int(text.replace(",", "").split(".")[0])
 
 
 def parse_answer(reply: str) -> int | None:
@@ -42,9 +51,20 @@ def last_number(reply: str) -> int | None:
     return as_int(numbers[-1]) if numbers else None
 
 
+def canonical(expression: str) -> str:
+    """One name for every way of writing the same problem: the operands of a sum (or of a product) in
+    order, so that "3 + 12" and "12 + 3" are one problem; anything with a minus sign as written."""
+    parts = expression.split(" ")
+    signs = set(parts[1::2])
+    if len(signs) == 1 and signs <= {"+", "*"}:
+        return f" {parts[1]} ".join(sorted(parts[::2], key=int))
+    return expression
+
+
 def in_split(expression: str, split: str) -> bool:
-    """Whether `expression` belongs to `split`: a hash of its text, the same on every machine and run."""
-    test = zlib.crc32(expression.encode()) % 5 == 0
+    """Whether `expression` belongs to `split`: a hash of its canonical text, the same on every machine and
+    run, so that no test problem is a training one written the other way round."""
+    test = zlib.crc32(canonical(expression).encode()) % 5 == 0
     return split == "all" or test == (split == "test")
 
 
@@ -70,8 +90,10 @@ class ArithmeticConfig(vf.TasksetConfig):
     num_operands: int = 2
     """Operands of each problem."""
     split: Literal["all", "train", "test"] = "all"
-    """Which problems: all, or a fixed split by the expression (test: about one in five, train: the rest), so
-    that an evaluation on test never shows a problem that RL on train saw."""
+    """Which problems: all, or a fixed split by the problem (test: about one in five, train: the rest), so
+    that an evaluation on test never shows a problem that training on train saw. The test split gives each
+    distinct problem once (it ends when there are no more), so an evaluation's standard error counts
+    problems, not repeats."""
 
     @model_validator(mode="after")
     def _check(self):
@@ -125,10 +147,16 @@ class ArithmeticTaskset(vf.Taskset[ArithmeticTask, ArithmeticConfig]):
         config = self.config
         rng = random.Random(config.seed)
         indices = itertools.count() if config.num_examples < 0 else range(config.num_examples)
+        given = set()  # the test split's canonical problems so far
         for index in indices:
-            text, value = problem(rng, config.max_operand, config.operations, config.num_operands)
-            while not in_split(text, config.split):
+            for _ in range(EXHAUSTED_AFTER):
                 text, value = problem(rng, config.max_operand, config.operations, config.num_operands)
+                if in_split(text, config.split) and not (config.split == "test" and canonical(text) in given):
+                    break
+            else:
+                return  # every test problem has been given (the rest of the draws would repeat them)
+            if config.split == "test":
+                given.add(canonical(text))
             data = ArithmeticData(
                 id=f"arithmetic-{index}",
                 prompt=f"What is {text}?",
