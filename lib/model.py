@@ -77,10 +77,14 @@ def cpuinfo() -> str:
 
 @functools.cache
 def cpu_has_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX); elsewhere oneDNN emulates it, slower
-    than float32. Linux only: other systems train in float32."""
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX) and oneDNN may use it; elsewhere bf16 is
+    emulated, slower than float32. ONEDNN_MAX_CPU_ISA=AVX2 (docs/testing.md) hides the instructions from oneDNN:
+    its bf16 matmuls are then off and torch's own kernels emulate them. Linux only: other systems train in
+    float32."""
+    import torch
+
     flags = set(re.findall(r"\w+", "\n".join(re.findall(r"^flags\s*:(.*)$", cpuinfo(), re.M))))
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    return bool(flags & {"avx512_bf16", "amx_bf16"}) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def cpu_name() -> str:

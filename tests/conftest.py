@@ -6,6 +6,7 @@ import importlib.util
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # The fixture tasksets import by name (letter_taskset: a reward that varies even for an untrained model).
 sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
+# Inductor's cache does not tell kernels compiled for AVX2 from AVX-512 ones (torch 2.13): a run with the CPU
+# lowered (docs/testing.md) keeps a cache of its own, or each run would load the other's kernels and compute
+# NaN or crash.
+capability = os.environ.get("ATEN_CPU_CAPABILITY")
+if capability:
+    inductor_cache = Path(tempfile.gettempdir()) / f"torchinductor-{capability}"
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache))
 # Why the vLLM tests could not run, when they could not (printed once at the end of the session).
 TOOL_EPISODES = 2  # how many calculator episodes tool_caller learned by heart
 VLLM_MISSING = "vLLM's CPU build is not installed (make setup-vllm installs it on x86-64 and aarch64 Linux)"

@@ -1,6 +1,10 @@
 """The builtin engine in-process (lib/server/engine.py, lib/server/decode.py): sampling filters, the queue, pause and close."""
 
+import logging
 import math
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -9,6 +13,9 @@ import torch
 from lib.model import ModelConfig
 from lib.server.decode import SamplingParams, draw, processed_logprobs
 from lib.server.engine import Engine
+
+# What an AVX2-only CPU (no AVX-512) looks like to torch's kernels and to oneDNN on any x86-64 CPU.
+AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
 def test_top_k_and_top_p_filter_and_renormalise():
@@ -211,21 +218,33 @@ def test_rows_leaving_and_joining_a_batch_in_blocks_keep_every_sequences_logprob
         torch.testing.assert_close(torch.tensor(completion.logprobs), expected, rtol=0, atol=1e-5)
 
 
-def test_prepacked_linear_layers_compute_what_plain_ones_do_and_follow_a_reload(tiny_dir, tmp_path):
-    # On a CPU in bf16 the engine multiplies by copies of the linear weights laid out once for oneDNN
-    # (lib/server/linear.py): the logits are bit for bit the plain model's, before and after a reload.
+def test_bf16_linear_layers_take_the_cpus_path_and_compute_what_plain_ones_do_after_a_reload(
+    tiny_dir, tmp_path, caplog
+):
+    # On a CPU in bf16 the engine multiplies by copies of the linear weights laid out once for oneDNN where
+    # oneDNN can lay bf16 out (AVX-512 or AVX-NE-CONVERT), by the weights themselves elsewhere (AVX2 only):
+    # either way the logits are bit for bit the plain model's, before and after a reload (lib/server/linear.py).
     from safetensors.torch import save_file
 
-    from lib.model import load_model
+    from lib.model import cpu_has_bf16, load_model
     from lib.server import linear
-    from lib.server.engine import Engine
 
+    packs = torch.ops.mkldnn._is_mkldnn_bf16_supported()  # what oneDNN says it can do here, asked another way
+    print(f"bf16 linear layers checked on this CPU: {'prepacked' if packs else 'plain matmuls'}")
+    print(f"native bf16 (the trainer's and serve.py's auto dtype): {cpu_has_bf16()}")
+    assert packs or not cpu_has_bf16()  # where auto picks bf16, oneDNN computes it
     config = ModelConfig(name=str(tiny_dir), device="cpu", dtype="bfloat16")
-    engine, plain = Engine(config), load_model(config)
+    with caplog.at_level(logging.INFO, logger="lib.server.engine"):
+        engine = Engine(config)
+    plain = load_model(config)
     try:
-        assert engine.prepacked and all(
-            hasattr(m, "packed") for m in engine.model.modules() if isinstance(m, torch.nn.Linear)
-        )
+        assert linear.cpu_packs_bf16() == engine.prepacked == packs
+        layers = [m for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
+        assert all(hasattr(m, "packed") == packs for m in layers)
+        said = "prepacked for oneDNN" if packs else "plain bf16 matmuls"
+        assert [r.message for r in caplog.records if "linear layers" in r.message] == [
+            f"linear layers: {said}" + ("" if packs else f" ({linear.PLAIN_REASON})")
+        ]
         ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])
         with torch.inference_mode():
             assert torch.equal(engine.model(ids).logits, plain(ids).logits)
@@ -240,10 +259,32 @@ def test_prepacked_linear_layers_compute_what_plain_ones_do_and_follow_a_reload(
             plain.load_state_dict(state)
             moved = engine.model(ids).logits
             assert torch.equal(moved, plain(ids).logits)
-            linear.prepack(plain)  # the same forward, prepacked here: unchanged
-            assert torch.equal(moved, plain(ids).logits)
+            if packs:
+                linear.prepack(plain)  # the same forward, prepacked here: unchanged
+                assert torch.equal(moved, plain(ids).logits)
+        # Decode steps go through the same layers.
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        (completion,) = engine.submit([5, 6, 7], params).result(timeout=60)
+        assert len(completion.token_ids) == 4
     finally:
         engine.close()
+
+
+def test_a_cpu_lowered_to_avx2_serves_bf16_through_plain_matmuls(tmp_path):
+    # On a CPU with AVX-512 the AVX2-only path runs too, with the CPU that torch and oneDNN see lowered
+    # (docs/testing.md): the test above again, in a process of its own, which must take the plain path.
+    test = "test_bf16_linear_layers_take_the_cpus_path_and_compute_what_plain_ones_do_after_a_reload"
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", f"{__file__}::{test}", "-s", "-p", "no:cacheprovider"]
+        + ["--basetemp", str(tmp_path)],
+        env={**os.environ, **AVX2_ONLY},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "bf16 linear layers checked on this CPU: plain matmuls" in result.stdout, result.stdout[-4000:]
+    assert "native bf16 (the trainer's and serve.py's auto dtype): False" in result.stdout
 
 
 def test_equal_prompts_are_prefilled_once_and_each_sequence_then_samples_its_own_tokens(tiny_dir):

@@ -122,6 +122,9 @@ class Engine:
         self.prepacked = linear.prepacks(self.model)
         if self.prepacked:
             linear.prepack(self.model)
+            log.info("linear layers: prepacked for oneDNN")
+        elif linear.bf16_on_cpu(self.model):
+            log.info("linear layers: plain bf16 matmuls (%s)", linear.PLAIN_REASON)
         self.tokenizer = Tokenizer(load_tokenizer(model_config.name))
         config = self.model.config
         if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):

@@ -6,16 +6,36 @@ import torch
 
 # The rows oneDNN lays the weights out for: a full decode step's batch (the engine's max_batch_size default).
 ROWS = 64
+# Why a bf16 model's linear layers stay plain matmuls on a CPU, as the engine's log says it.
+PLAIN_REASON = (
+    "oneDNN lays bf16 weights out only with AVX-512 BW, VL and DQ or AVX-NE-CONVERT, which this CPU lacks "
+    "or ONEDNN_MAX_CPU_ISA keeps it from using"
+)
+
+
+@functools.cache
+def cpu_packs_bf16() -> bool:
+    """Whether oneDNN lays bf16 weights out on this CPU. An AVX2-only CPU refuses (mkldnn_reorder_linear_weight:
+    "bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq"), and so does one
+    whose oneDNN ONEDNN_MAX_CPU_ISA caps below AVX-512: asked once, by laying out a 1 x 1 weight."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.ones(1, 1, dtype=torch.bfloat16), 1)
+    except RuntimeError:
+        return False
+    return True
+
+
+def bf16_on_cpu(model) -> bool:
+    weight = next(model.parameters())
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16
 
 
 def prepacks(model) -> bool:
-    """Whether the engine computes `model`'s linear layers with prepacked weights: bf16 on a CPU with oneDNN."""
-    weight = next(model.parameters())
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-    )
+    """Whether the engine computes `model`'s linear layers with prepacked weights: bf16 on a CPU whose oneDNN
+    lays bf16 weights out (cpu_packs_bf16); elsewhere plain matmuls, with the same outputs."""
+    return bf16_on_cpu(model) and cpu_packs_bf16()
 
 
 def prepack(model) -> None:
