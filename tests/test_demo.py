@@ -5,6 +5,7 @@ import contextlib
 import hashlib
 import io
 import json
+import re
 import shutil
 import tomllib
 
@@ -87,28 +88,43 @@ def test_demo_runs_every_stage_and_draws_the_curve(toy_demo):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_the_curve_says_what_its_rewards_are(tmp_path, monkeypatch):
-    import json
-
+def test_the_figure_shows_each_stage_and_its_evaluations_as_points(tmp_path, monkeypatch):
+    """SFT's loss, then RL's per-step reward, and the three held-out evaluations (sampled and greedy) as
+    points at the steps they were taken: before SFT, after it, after RL."""
     import matplotlib.figure
 
     drawn = []
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda figure, path, **_: drawn.append(figure))
     monkeypatch.setattr("pathlib.Path.replace", lambda *_: None)  # savefig wrote no file to rename
-    cfg = demo.Config(out=tmp_path)
+    cfg = demo.resolved(demo.Config(out=tmp_path, sft_steps=20, rl_steps=2))
+    (tmp_path / "sft").mkdir()
+    lines = [json.dumps({"step": step, "train/loss": 2 / step}) for step in (10, 20)]
+    (tmp_path / "sft" / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     rollouts = tmp_path / "rl" / "rollouts"
     rollouts.mkdir(parents=True)
     for step in (1, 2):
         (rollouts / f"step_{step}.jsonl").write_text(json.dumps({"reward": step / 4}) + "\n")
-    demo.plot(cfg, before=0.3, after=0.6)
-    (axes,) = drawn[0].axes
-    assert axes.get_ylabel() == "reward"
-    legend = [text.get_text() for text in axes.get_legend().get_texts()]
+    for name, value in (("base", 0.0), ("after-sft", 0.3), ("after-rl", 0.6)):
+        for run_dir, scored in (
+            (tmp_path / "eval" / name, value),
+            (tmp_path / "eval" / f"{name}-greedy", value + 0.1),
+        ):
+            run_dir.mkdir(parents=True)
+            (run_dir / "summary.json").write_text(json.dumps({"status": "ok", "avg_reward": scored}))
+    demo.plot(cfg)
+    reward_axes, loss_axes = drawn[0].axes
+    assert reward_axes.get_ylabel() == "reward" and loss_axes.get_ylabel() == "SFT loss"
+    legend = [text.get_text() for text in reward_axes.get_legend().get_texts()]
     assert legend == [
-        "reward (mean of each RL step's sampled rollouts)",
-        "held-out reward after SFT: 0.300",
-        "held-out reward after RL: 0.600",
+        "RL reward (mean of each step's sampled rollouts)",
+        "held-out reward, sampled",
+        "held-out reward, greedy",
+        "SFT loss (right axis)",
     ]
+    rl_line, sampled, greedy = reward_axes.get_lines()[:3]
+    assert list(rl_line.get_xdata()) == [21, 22] and list(rl_line.get_ydata()) == [0.25, 0.5]
+    assert list(sampled.get_xdata()) == [0, 20, 22] and list(sampled.get_ydata()) == [0.0, 0.3, 0.6]
+    assert list(greedy.get_ydata()) == pytest.approx([0.1, 0.4, 0.7])
 
 
 def test_a_failed_stage_is_one_sentence():
@@ -191,15 +207,31 @@ def recording(monkeypatch, out) -> list:
     return ran
 
 
-def test_the_real_model_demo_is_the_seed_recipe_with_its_presets(tmp_path, monkeypatch):
-    """`make demo`'s stages, run with `run` recording instead of running: base eval, SFT, eval, RL, eval on
-    the same held-out tasks (sampled, then greedy), each command one its script accepts, with the
-    configs/smollm2 presets and the SmolLM2 directory."""
+@pytest.mark.parametrize(
+    ("recipe", "presets", "target"),
+    [("arithmetic", "smollm2_two_digit", "demo"), ("reverse-text", "smollm2", "demo-reverse-text")],
+)
+def test_the_real_model_demos_are_sft_then_rl_with_their_presets(
+    tmp_path, monkeypatch, recipe, presets, target
+):
+    """`make demo` (two-digit arithmetic) and `make demo-reverse-text` (the seed recipe), run with `run`
+    recording instead of running: base eval, SFT, eval, RL, eval on the same held-out tasks (sampled, then
+    greedy), each command one its script accepts, with the recipe's presets and the SmolLM2 directory; the
+    make target runs that recipe, and --seed reaches both training stages."""
+    from test_makefile import dry_run
+
     from lib.config import parse
     from lib.models import SMOLLM2_DIR
 
+    assert dry_run(target) == [".venv/bin/python", "scripts/demo.py"] + (
+        ["--recipe", recipe] if recipe != "arithmetic" else []
+    )
     ran = recording(monkeypatch, tmp_path / "demo")
-    cfg = demo.resolved(demo.Config(out=tmp_path / "demo"))
+    given = ["--out", str(tmp_path / "demo"), "--seed", "3"] + (
+        ["--recipe", recipe] if recipe != "arithmetic" else []
+    )
+    cfg = demo.resolved(demo.parse(demo.Config, given))
+    assert cfg.recipe == recipe and cfg.presets == presets
     stages = demo.stages(cfg, contextlib.ExitStack())  # the builtin engine: no server of its own to stop
     assert [stage.name for stage in stages] == [
         "model",
@@ -220,8 +252,9 @@ def test_the_real_model_demo_is_the_seed_recipe_with_its_presets(tmp_path, monke
         configs.setdefault(args[0], []).append(parse(script.Config, args[1:]))
     evals, (sft,), (rl,) = (configs[f"scripts/{name}.py"] for name in ("eval", "sft", "rl"))
     assert sft.model.name == str(SMOLLM2_DIR) and sft.steps == cfg.sft_steps and sft.resume
+    assert sft.seed == rl.seed == 3
     # The steps are the presets' own, read from them rather than written again in the demo.
-    assert (sft.steps, rl.steps) == (preset_steps("smollm2/sft"), preset_steps("smollm2/rl"))
+    assert (sft.steps, rl.steps) == (preset_steps(f"{presets}/sft"), preset_steps(f"{presets}/rl"))
     assert (
         rl.model.name == str(sft.output_dir / "weights" / f"step_{cfg.sft_steps}")
         and rl.steps == cfg.rl_steps
@@ -235,6 +268,14 @@ def test_the_real_model_demo_is_the_seed_recipe_with_its_presets(tmp_path, monke
     # One held-out set (seed 1: training draws seed 0), sampled at RL's temperature, then greedy.
     assert {(e.seed, e.num_examples) for e in evals} == {(1, cfg.eval_examples)} and sft.data.seed == 0
     assert [e.sampling.temperature for e in evals] == [rl.sampling.temperature, 0.0] * 3
+    assert {e.env for e in evals} == {sft.data.id} == {rl.env.id} == {cfg.env}
+    if (
+        recipe == "arithmetic"
+    ):  # held out by the split: SFT and RL train on train, every evaluation is on test
+        assert sft.data.kwargs["split"] == rl.env.kwargs["split"] == "train"
+        assert {json.loads(e.env_args)["split"] for e in evals} == {"test"}
+        assert sft.data.kwargs["max_operand"] == rl.env.kwargs["max_operand"] == 99
+        assert {json.loads(e.env_args)["max_operand"] for e in evals} == {99}
     # An evaluation killed between its sampled and its greedy run is not done: a rerun does both.
     shutil.rmtree(cfg.out / "eval")
     (cfg.out / "eval" / "base").mkdir(parents=True)
@@ -389,3 +430,72 @@ def test_stages_made_from_weights_that_changed_since_are_redone(toy_demo):
     assert files(moved)["checkpoints/step_2/manifest.json"] == old_rl["checkpoints/step_2/manifest.json"]
     assert (out / "rl" / "checkpoints" / "step_2").is_dir()
     assert commands(run_demo(demo.Config(out=out, **TOY))) == []
+
+
+def test_a_redone_evaluation_killed_before_it_finished_is_redone_again(toy_demo):
+    """New SFT weights make the evaluation after SFT stale; killed as it starts again (its old summary still
+    there), the next run must redo it, not report the old weights' score."""
+    from safetensors.torch import load_file, save_file
+
+    out = toy_demo["cfg"].out
+    run_demo(demo.Config(out=out, **TOY))  # finished, whatever the tests before left
+    weights = out / "sft" / "weights" / "step_4" / "model.safetensors"
+    save_file({k: v * 0.99 for k, v in load_file(weights).items()}, weights, metadata={"format": "pt"})
+
+    def killed_as_it_starts(*args, **kwargs):
+        if "after-sft" in args:
+            raise KeyboardInterrupt
+
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(KeyboardInterrupt):
+        patch.setattr(demo, "run", killed_as_it_starts)
+        run_demo(demo.Config(out=out, **TOY))
+    assert commands(run_demo(demo.Config(out=out, **TOY))) == [
+        "eval.py after-sft",
+        "rl.py",
+        "eval.py after-rl",
+    ]
+
+
+def test_the_arithmetic_demo_runs_every_stage_held_out_on_a_small_model(tmp_path, monkeypatch, tiny_dir):
+    """`make demo`'s stages for real, with its presets, on the tiny model in SmolLM2's place and the fewest
+    steps: each stage hands its output to the next, the report gives each stage's reward and its gain, and
+    no problem an evaluation scores is one SFT or RL trained on."""
+    import plainrl_arithmetic as arith
+
+    monkeypatch.setattr(demo, "SMOLLM2_DIR", tiny_dir)
+    cfg = demo.Config(out=tmp_path / "demo", sft_steps=2, rl_steps=2, eval_examples=16, eval_rollouts=1)
+    printed = run_demo(cfg)
+    assert commands(printed) == [
+        "eval.py base",
+        "eval.py base-greedy",
+        "sft.py",
+        "eval.py after-sft",
+        "eval.py after-sft-greedy",
+        "rl.py",
+        "eval.py after-rl",
+        "eval.py after-rl-greedy",
+    ]
+    report = printed[printed.index("reward of the base model") :].splitlines()
+    assert report[0].startswith("reward of the base model 0.") and ", reward after SFT 0." in report[0]
+    assert " -> after RL 0." in report[0] and report[0].endswith(" min)")
+    assert report[1].startswith("gains, sampled") and "after SFT " in report[1] and "after RL " in report[1]
+    assert report[2].startswith("greedy: ")
+    assert (cfg.out / "reward_curve.png").read_bytes()[:4] == b"\x89PNG"
+
+    def problems(lines) -> set[str]:
+        """The problems in result or rollout records (their prompt: messages, or rl.py's text of them)."""
+        prompts = [json.dumps(json.loads(line)["prompt"]) for line in lines]
+        return {arith.canonical(re.search(r"What is ([-+* 0-9]+)\?", p).group(1)) for p in prompts}
+
+    scored = problems((cfg.out / "eval" / "after-rl" / "results.jsonl").read_text().splitlines())
+    trained = problems(
+        line
+        for path in (cfg.out / "rl" / "rollouts").glob("*.jsonl")
+        for line in path.read_text().splitlines()
+    )
+    from lib.tasks import EnvConfig, sft_conversations
+
+    sft_args = tomllib.loads((demo.ROOT / "configs" / "smollm2_two_digit" / "sft.toml").read_text())["data"]
+    sft_data = sft_conversations(EnvConfig(id=sft_args["id"], args=sft_args["args"], num_examples=4000))
+    taught = {arith.canonical(c[1]["content"].removeprefix("What is ").removesuffix("?")) for c in sft_data}
+    assert len(scored) == 16 and trained and not scored & (trained | taught)
