@@ -238,3 +238,28 @@ def test_an_environment_file_gives_tasks_and_sft_conversations_and_its_mistakes_
         match=r"must define examples\(\) and reward\(completion, example\) .*its reward is not that",
     ):
         check_env_ids(EnvConfig(id=str(broken)))
+
+
+def test_an_environment_file_loads_by_any_path_in_every_script(tmp_path, monkeypatch):
+    # Seen: sft.py took an id holding `/` for a hub dataset (RuntimeError: Dataset scripts are no longer
+    # supported), so only a bare my_env.py in the working directory worked.
+    from conftest import docs_env_file
+
+    from lib.data import check_data, load_conversations
+    from lib.tasks import check_env_ids
+
+    (tmp_path / "envs").mkdir()
+    path = docs_env_file(tmp_path / "envs")
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for given in (str(path), "../envs/my_env.py", "~/envs/my_env.py", "envs/my_env.py"):
+        if given == "envs/my_env.py":  # a relative path with directories, from the folder above them
+            monkeypatch.chdir(tmp_path)
+        env = EnvConfig(id=given, num_examples=2)
+        check_env_ids(env)  # rl.py, eval.py
+        check_data(env)  # sft.py
+        assert [m["role"] for m in load_conversations(env)[0]] == ["system", "user", "assistant"], given
+        tasks = list(load_tasks(load_env(env), env).taskset)  # rl.py's and eval.py's episodes
+        assert len(tasks) == 2 and tasks[0].data.path == str(path), given
+
