@@ -832,3 +832,19 @@ def test_rl_py_reads_as_the_controller_s_story_in_at_most_450_lines():
     """Server start-up, weight-sync wiring and a micro-batch's training live in lib/ (sync, head, loss)."""
     lines = (ROOT / "scripts" / "rl.py").read_text().splitlines()
     assert len(lines) <= 450, len(lines)
+
+
+def test_an_environment_file_whose_reward_is_nan_ends_the_run_before_any_step(tiny_dir, server, tmp_path):
+    # Seen with --advantage.normalize none: one step, every weight NaN, the server loaded them, and the run
+    # ended blaming the server.
+    path = tmp_path / "nan_env.py"
+    path.write_text(
+        "def examples():\n    return [{'prompt': f'say {i}', 'id': f'n{i}'} for i in range(8)]\n\n"
+        "def reward(completion, example):\n    return float('nan')\n"
+    )
+    flags = ["--env.id", str(path), "--advantage.normalize", "none", "--max-async-level", "0"]
+    with pytest.raises(UserError, match=rf"environment file {path}: .* returned nan for example n\d"):
+        rl.main(rl_config(tiny_dir, tmp_path / "run", server.url, *flags, "--sampling.max-tokens", "4"))
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not (tmp_path / "run" / "weights" / "step_1").exists()
+

@@ -263,3 +263,46 @@ def test_an_environment_file_loads_by_any_path_in_every_script(tmp_path, monkeyp
         tasks = list(load_tasks(load_env(env), env).taskset)  # rl.py's and eval.py's episodes
         assert len(tasks) == 2 and tasks[0].data.path == str(path), given
 
+
+def test_an_environment_files_reward_must_be_a_finite_number(tmp_path):
+    # Seen: a reward of NaN trained one step into NaN weights (or broke the group std with a traceback), and
+    # the string "1.0" passed as 1.0.
+    import asyncio
+    import types
+
+    from lib.config import UserError
+
+    path = tmp_path / "rewards.py"
+    path.write_text(
+        "VALUES = [0.5, True, 2, float('nan'), float('inf'), '1.0', None, 'raise', 'async']\n\n"
+        "def examples():\n"
+        "    for index, value in enumerate(VALUES):\n"
+        "        yield {'prompt': f'p{index}', 'id': f'ex{index}'}\n\n"
+        "async def later():\n"
+        "    return 0.25\n\n"
+        "def reward(completion, example):\n"
+        "    value = VALUES[int(example['id'][2:])]\n"
+        "    if value == 'raise':\n"
+        "        return example['answer']\n"
+        "    return later() if value == 'async' else value\n"
+    )
+    env = EnvConfig(id=str(path))
+    tasks = list(load_tasks(load_env(env), env).taskset)
+    trace = types.SimpleNamespace(last_reply="a reply")
+
+    def score(index: int) -> float:
+        return asyncio.run(tasks[index].file_reward(tasks[index].data, trace))
+
+    assert [score(0), score(1), score(2), score(8)] == [0.5, 1.0, 2.0, 0.25]  # a bool counts as 0 or 1
+    for index, shown in [(3, "nan"), (4, "inf"), (5, "'1.0'"), (6, "None")]:
+        with pytest.raises(UserError) as error:
+            score(index)
+        message = str(error.value)
+        assert f"environment file {path}: reward(completion, example) returned {shown}" in message, message
+        assert f"example ex{index}" in message and "not a finite number" in message, message
+        assert "\n" not in message
+    with pytest.raises(
+        UserError, match=rf"{path}: reward\(completion, example\) raised KeyError: 'answer' on example ex7"
+    ):
+        score(7)
+
