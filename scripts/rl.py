@@ -192,7 +192,9 @@ def main(cfg: Config) -> dict:
     rank, _, world_size = dist.world()
     is_main = rank == 0
     check_model_name(cfg.model.name)
-    check_env_ids(cfg.env)  # a typo ends the run here, before any run directory or server
+    # A typo, or an environment file with fewer examples than a step takes, ends the run here, before any run
+    # directory or server.
+    check_env_ids(cfg.env, examples_per_step=cfg.examples_per_step)
     # LoRA: the adapter's name on the servers, None where they load the merged model.
     adapter = inference.ADAPTER_NAME if cfg.lora.rank and cfg.inference.lora_sync == "adapter" else None
     cfg.inference.weight_sync = inference.weight_sync_mode(cfg, resolve_device(cfg.model), bool(adapter))

@@ -848,3 +848,16 @@ def test_an_environment_file_whose_reward_is_nan_ends_the_run_before_any_step(ti
     assert not (tmp_path / "run" / "checkpoints").exists()
     assert not (tmp_path / "run" / "weights" / "step_1").exists()
 
+
+def test_an_environment_file_with_fewer_examples_than_a_step_is_refused_before_the_run_directory(
+    tiny_dir, tmp_path
+):
+    path = tmp_path / "two.py"
+    path.write_text(
+        "def examples():\n    return [{'prompt': 'a'}, {'prompt': 'b'}]\n\n"
+        "def reward(completion, example):\n    return 1.0\n"
+    )
+    config = rl_config(tiny_dir, tmp_path / "run", "http://127.0.0.1:9/v1", "--env.id", str(path))
+    with pytest.raises(UserError, match=r"gave 2 examples, and one step takes 4 \(examples_per_step\)"):
+        rl.main(config)
+    assert not (tmp_path / "run").exists()

@@ -306,3 +306,21 @@ def test_an_environment_files_reward_must_be_a_finite_number(tmp_path):
     ):
         score(7)
 
+
+def test_an_environment_file_with_fewer_examples_than_a_step_takes_is_refused(tmp_path):
+    from lib.config import UserError
+    from lib.tasks import check_env_ids
+
+    empty, three = tmp_path / "empty.py", tmp_path / "three.py"
+    rewards = "\n\ndef reward(completion, example):\n    return 1.0\n"
+    empty.write_text("def examples():\n    return []" + rewards)
+    three.write_text("def examples():\n    return [{'prompt': str(i)} for i in range(3)]" + rewards)
+    with pytest.raises(UserError, match=f"environment file {empty}: its examples\\(\\) gave no examples"):
+        check_env_ids(EnvConfig(id=str(empty)))
+    with pytest.raises(UserError, match=r"gave 3 examples, and one step takes 4 \(examples_per_step\)"):
+        check_env_ids(EnvConfig(id=str(three)), examples_per_step=4)
+    with pytest.raises(
+        UserError, match=r"env.num_examples takes 2, and one step takes 3 \(examples_per_step\)"
+    ):
+        check_env_ids(EnvConfig(id=str(three), num_examples=2), examples_per_step=3)
+    check_env_ids(EnvConfig(id=str(three)), examples_per_step=3)
