@@ -23,6 +23,9 @@ LOSS_CURVE = "loss_curve.png"  # sft.py
 REWARD_CURVE = "reward_curve.png"  # rl.py
 SLURM = "slurm"  # a SLURM job's script and logs (lib/slurm.py), written before the run starts
 EXPORTED = "exported"  # checkpoints written as Hugging Face directories by scripts/export.py
+# In each directory scripts/export.py writes (the checkpoint it came from): the only non-empty directory an
+# export may replace is an earlier export.
+EXPORT_RECORD = "export.json"
 RESTARTED = "restarted"  # earlier runs' outputs, set aside by a restart (lib/checkpoint.py set_aside)
 
 # What a restart moves to restarted/<time>/, and nothing else the directory holds: the job that runs the
