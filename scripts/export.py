@@ -47,6 +47,7 @@ def main(cfg: Config) -> Path:
     from lib import dist, rundir
     from lib.checkpoint import atomic_dir, damage
     from lib.model import LoraConfig, ModelConfig, check_model_name, load_tokenizer, load_trainable
+    from lib.provenance import check_base
     from lib.weights import lora_scales, merge_lora, write_hf_dir
 
     checkpoint = cfg.checkpoint.expanduser()
@@ -61,6 +62,8 @@ def main(cfg: Config) -> Path:
     model_config = dataclasses.replace(ModelConfig(**config["model"]), device="cpu", compile="off")
     lora = LoraConfig(**config.get("lora", {}))
     check_model_name(model_config.name)  # the run's starting weights, which the checkpoint's are relative to
+    if lora.rank:  # the adapters are merged onto the base they trained on, or not at all
+        check_base(run_dir, model_config.name, "export")
     output = (cfg.output_dir or run_dir / rundir.EXPORTED / checkpoint.name).expanduser()
     check_output(output, run_dir)
 

@@ -26,7 +26,8 @@ Where it departs from the textbook, on purpose:
    Reloader); the logprob probe, which needs the trainer's live weights, runs at the start only.
 
 With --eval.every N, held-out tasks are evaluated as eval.py does (lib/evaluation.py); env.mix draws
-several environments by ratio (lib/mixture.py). Runs write provenance.json and reward_curve.png too.
+several environments by ratio (lib/mixture.py). Runs write provenance.json, reward_curve.png and base.json
+(the model they start from, with a sha256 of its weights: a LoRA `--resume` refuses another) too.
 
 Usage:
     python scripts/rl.py @ configs/tiny/rl.toml                                     # CPU

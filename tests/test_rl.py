@@ -861,3 +861,17 @@ def test_an_environment_file_with_fewer_examples_than_a_step_is_refused_before_t
     with pytest.raises(UserError, match=r"gave 2 examples, and one step takes 4 \(examples_per_step\)"):
         rl.main(config)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_lora_resume_refuses_a_base_model_whose_weights_changed(tiny_dir, server, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_dir, base)
+    on_base_weights(server.url, tiny_dir)  # a LoRA run loads only its adapter onto what the server holds
+    lora = ("--lora.rank", "4", "--max-async-level", "0", "--sampling.max-tokens", "8")
+    rl.main(rl_config(base, tmp_path / "run", server.url, *lora, "--steps", "1"))
+    weights = base / "model.safetensors"
+    save_file({name: t + 0.5 for name, t in load_file(weights).items()}, weights, metadata={"format": "pt"})
+    with pytest.raises(UserError, match=f"--resume: {tmp_path / 'run'} trained its LoRA adapters on {base}"):
+        rl.main(rl_config(base, tmp_path / "run", server.url, *lora, "--steps", "2", "--resume"))

@@ -421,3 +421,44 @@ def test_export_refuses_an_output_directory_it_did_not_write(tiny_dir, tmp_path,
             export.main(parse(export.Config, [str(checkpoint), "--output-dir", str(output)]))
     for run_dir in (tmp_path / "runs" / "run", other_run):
         assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "config.toml", "metrics.jsonl"]
+
+
+def rewrite_weights(model_dir) -> bytes:
+    """Moves every weight of the model in `model_dir` by 0.5, in place; returns the file's bytes before."""
+    from safetensors.torch import save_file
+
+    path = model_dir / "model.safetensors"
+    before = path.read_bytes()
+    save_file(
+        {name: tensor + 0.5 for name, tensor in load_file(path).items()}, path, metadata={"format": "pt"}
+    )
+    return before
+
+
+def test_a_lora_run_records_its_base_and_export_and_resume_refuse_another(tiny_dir, data_file, tmp_path):
+    # Seen: after the base model was rewritten, export.py merged a LoRA checkpoint onto it and exited 0 with
+    # weights 0.5 off the run's own; nothing recorded which base the run trained on.
+    import shutil
+
+    export = load_script("export")
+    base, out = tmp_path / "base", tmp_path / "run"
+    shutil.copytree(tiny_dir, base)
+    lora = ["--lora.rank", "4", "--lora.alpha", "8"]
+    run(*flags(base, data_file, out, *lora, "--steps", "1"))
+    record = json.loads((out / "base.json").read_text())
+    assert record["path"] == str(base) and len(record["sha256"]) == 64
+    checkpoint = out / "checkpoints" / "step_1"
+    export.main(parse(export.Config, [str(checkpoint)]))  # the base it trained on: merged
+
+    original = rewrite_weights(base)
+    with pytest.raises(ValueError) as refused:
+        export.main(parse(export.Config, [str(checkpoint)]))
+    now = json.loads((out / "base.json").read_text())  # the record stays the run's
+    message = str(refused.value)
+    assert f"{out} trained its LoRA adapters on {base} (weights sha256 {record['sha256'][:16]})" in message
+    assert now == record and "sha256" in message.split("now holds")[1] and "\n" not in message
+    with pytest.raises(ValueError, match=f"--resume: {out} trained its LoRA adapters on {base}"):
+        run(*flags(base, data_file, out, *lora, "--steps", "2", "--resume"))
+
+    (base / "model.safetensors").write_bytes(original)  # the same weights, written again: a new file time
+    assert len(run(*flags(base, data_file, out, *lora, "--steps", "2", "--resume"))["history"]) == 1
