@@ -440,6 +440,8 @@ def test_a_lora_run_records_its_base_and_export_and_resume_refuse_another(tiny_d
     # weights 0.5 off the run's own; nothing recorded which base the run trained on.
     import shutil
 
+    from lib.provenance import base_record
+
     export = load_script("export")
     base, out = tmp_path / "base", tmp_path / "run"
     shutil.copytree(tiny_dir, base)
@@ -453,10 +455,10 @@ def test_a_lora_run_records_its_base_and_export_and_resume_refuse_another(tiny_d
     original = rewrite_weights(base)
     with pytest.raises(ValueError) as refused:
         export.main(parse(export.Config, [str(checkpoint)]))
-    now = json.loads((out / "base.json").read_text())  # the record stays the run's
-    message = str(refused.value)
+    message, current = str(refused.value), base_record(str(base))["sha256"]
     assert f"{out} trained its LoRA adapters on {base} (weights sha256 {record['sha256'][:16]})" in message
-    assert now == record and "sha256" in message.split("now holds")[1] and "\n" not in message
+    assert f"{base} now holds other weights (sha256 {current[:16]})" in message and "\n" not in message
+    assert json.loads((out / "base.json").read_text()) == record  # the record stays the run's
     with pytest.raises(ValueError, match=f"--resume: {out} trained its LoRA adapters on {base}"):
         run(*flags(base, data_file, out, *lora, "--steps", "2", "--resume"))
 
