@@ -76,9 +76,11 @@ def open_run(cfg, say) -> Path | None:
 def claim(cfg, say) -> Path | None:
     """open_run's work, on rank 0. Refuses a non-empty directory that is no run's (rundir.is_run_dir),
     checkpoints without cfg.resume, and checkpoints none of which is usable. Without a checkpoint the run starts over: what an
-    earlier run wrote moves to restarted/<time>/ (set_aside) and config.toml is written. A resume keeps
-    config.toml and records what its config changes (record_changes)."""
+    earlier run wrote moves to restarted/<time>/ (set_aside), config.toml and base.json are written. A resume
+    keeps them, refuses LoRA adapters a base model that changed since (check_base) and records what its config
+    changes (record_changes)."""
     from lib.config import write_config
+    from lib.provenance import check_base, write_base
 
     run_dir = cfg.output_dir
     if run_dir.is_dir() and not rundir.is_run_dir(run_dir, type(cfg)):
@@ -107,7 +109,10 @@ def claim(cfg, say) -> Path | None:
             where = f"; the earlier run's outputs are in {moved}" if moved else ""
             say(f"no checkpoint in {run_dir}: starting at step 0{where}")
         write_config(cfg, run_dir / rundir.CONFIG)
+        write_base(run_dir, cfg.model.name)
     elif step_of(resume_from) < cfg.steps:  # a finished run has nothing to do, nor a change to record
+        if cfg.lora.rank:  # the checkpoint holds adapters only: they continue on the base they trained on
+            check_base(run_dir, cfg.model.name, "--resume")
         record_changes(cfg, run_dir, step_of(resume_from), say)
     return resume_from
 
@@ -149,9 +154,9 @@ def record_changes(cfg, run_dir: Path, step: int, say) -> None:
 
 
 def set_aside(run_dir: Path) -> Path | None:
-    """Moves what an earlier run wrote in run_dir (lib/rundir.py OUTPUTS), and a copy of its config.toml, to
-    run_dir/restarted/<UTC time>; returns that directory, or None when there was nothing to move. Nothing
-    else in run_dir moves."""
+    """Moves what an earlier run wrote in run_dir (lib/rundir.py OUTPUTS), and copies of its config.toml and
+    base.json, to run_dir/restarted/<UTC time>; returns that directory, or None when there was nothing to move.
+    Nothing else in run_dir moves."""
     import datetime
 
     entries = [run_dir / name for name in rundir.OUTPUTS if os.path.lexists(run_dir / name)]
@@ -160,8 +165,9 @@ def set_aside(run_dir: Path) -> Path | None:
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S.%fZ")
     target = run_dir / rundir.RESTARTED / stamp
     target.mkdir(parents=True)
-    if (run_dir / rundir.CONFIG).is_file():
-        shutil.copy2(run_dir / rundir.CONFIG, target / rundir.CONFIG)
+    for name in (rundir.CONFIG, rundir.BASE):
+        if (run_dir / name).is_file():
+            shutil.copy2(run_dir / name, target / name)
     for entry in entries:
         entry.rename(target / entry.name)
     return target

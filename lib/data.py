@@ -102,7 +102,7 @@ def read_data_file(source: str, path: Path, modified_ns: int) -> list[list[dict]
 
 def load_conversations(env) -> list[list[dict] | dict]:
     """Conversations from `env.id`: a local .jsonl/.json/.parquet file, a Hugging Face dataset id (has a `/`), or a
-    taskset id (an environment file too, when its examples have an `answer`).
+    taskset id (an environment file too, by any path, when its examples have an `answer`).
 
     A conversation is its list of messages, or {"messages": [...], "tools": [...]} when it offers tools.
     A mixture (env.mix) gives every environment's conversations, each its own num_examples of them (the
@@ -112,12 +112,12 @@ def load_conversations(env) -> list[list[dict] | dict]:
         from lib.mixture import env_configs
 
         return [conversation for config in env_configs(env) for conversation in load_conversations(config)]
-    from lib.tasks import DATA_FILES
+    from lib.tasks import DATA_FILES, is_env_file
 
     source = env.id
     if source.endswith(DATA_FILES):
         conversations = check_data_file(source)
-    elif "/" in source:
+    elif "/" in source and not is_env_file(source):  # an environment file's path holds `/` too
         import datasets
 
         try:

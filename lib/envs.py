@@ -227,6 +227,17 @@ def episode_error(episode: "vf.Episode") -> str | None:
     return f"{errors[-1].type}: {errors[-1].message}"
 
 
+def raise_user_error(episode: "vf.Episode") -> None:
+    """Raises again the UserError that the environment's own code raised in the episode (plainrl_file: a reward
+    that raised or is no finite number). verifiers records it as a TaskError whose message ends with it; taken
+    for a failed rollout, the run would go on and train on the others."""
+    errors = list(episode.errors) + [error for trace in episode.traces for error in trace.errors]
+    for error in errors:
+        _, found, sentence = error.message.partition(f"{UserError.__name__}: ")
+        if found:
+            raise UserError(sentence)
+
+
 def episode_reward(episode: "vf.Episode") -> float:
     """The reward of the episode's (single-agent) trace; 0 when scoring did not happen."""
     return float(sum(trace.reward or 0.0 for trace in episode.traces))
@@ -241,13 +252,15 @@ def training_samples(
 ) -> tuple[list[Rollout], str | None]:
     """Rollouts of a train-client episode, one per trainable branch, and why it failed (None if it did not).
 
-    A failed episode gives no rollouts: its reward would be missing, not 0. A chat template that
+    A failed episode gives no rollouts: its reward would be missing, not 0; one that failed on the user's
+    mistake (a UserError of the environment's code) ends the run (raise_user_error). A chat template that
     rewrites earlier turns forks an episode into several branches, each its own rollout. The other
     arguments tag every rollout (see Rollout). Every branch of an episode is truncated when any model turn
     of the episode ended by length (a max_tokens that patches.fit_max_tokens shortened to fit seq_len ends
     so too), or the episode stopped at a token limit: a turn cut anywhere, not only the last, is a cut
     answer that the rest of the episode, and its reward, build on.
     """
+    raise_user_error(episode)
     error = episode_error(episode)
     if error is not None:
         return [], error

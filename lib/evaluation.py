@@ -59,8 +59,11 @@ def pass_at_k(num_rollouts: int, num_correct: int, k: int) -> float:
 
 
 def record(example: int, rollout: int, episode) -> dict:
-    """One results.jsonl line: the whole conversation, the reward, its parts, tokens and any error."""
-    from lib.envs import episode_error, episode_reward
+    """One results.jsonl line: the whole conversation, the reward, its parts, tokens and any error; the user's
+    mistake in the environment (lib/envs.py raise_user_error) ends the evaluation instead."""
+    from lib.envs import episode_error, episode_reward, raise_user_error
+
+    raise_user_error(episode)
 
     trace = episode.traces[-1] if episode.traces else None
     messages = [{"role": m.role, "content": m.content} for m in trace.messages] if trace else []

@@ -148,10 +148,15 @@ def runs_in_dtype(config: ModelConfig, device: str, hidden_size: int) -> str:
     return "bfloat16" if trains_in_bf16(config, device, hidden_size) else "float32"
 
 
+def is_local(name: str) -> bool:
+    """Whether model.name names a local directory (there or not yet), not a hub id."""
+    return name.startswith((".", "/", "~")) or name.startswith("outputs") or Path(name).exists()
+
+
 def check_model_name(name: str) -> None:
     """A path-looking name that does not exist is a typo, not a hub id: say so before any heavy work."""
-    looks_local = name.startswith((".", "/", "~")) or name.startswith("outputs") or Path(name).exists()
-    if looks_local and not (Path(name).expanduser() / "config.json").is_file():
+    local = is_local(name)
+    if local and not (Path(name).expanduser() / "config.json").is_file():
         sft_run = re.search(r"(?:^|/)outputs/([^/]+)/sft/weights/step_\d+/?$", name)
         checkpoint = re.search(r"^(.*)/checkpoints/(step_\d+)/?$", name)
         path = Path(name).expanduser()
@@ -169,7 +174,7 @@ def check_model_name(name: str) -> None:
         else:
             hint = " (run `make tiny` to create it)" if re.search(r"models/tiny/?$", name) else ""
         raise UserError(f"model.name {name} is not a Hugging Face model directory{hint}.")
-    if not looks_local:
+    if not local:
         check_hub(name)
 
 

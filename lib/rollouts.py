@@ -3,11 +3,14 @@
 import asyncio
 import dataclasses
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
+
+from lib.config import UserError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -93,6 +96,17 @@ def group_advantages(
         std = statistics.stdev(adv)
         adv = [a / (std + eps) for a in adv]
     return adv
+
+
+def check_rewards(group: list[Rollout]) -> None:
+    """A one-sentence UserError for a reward that is not a finite number, from any taskset: a NaN or an infinity
+    makes the group's advantages, then after one step every weight, NaN."""
+    for r in group:
+        if not math.isfinite(r.reward):
+            raise UserError(
+                f"environment {r.env or '(unnamed)'} gave the reward {r.reward} (task {r.task_id}): a reward must be "
+                "a finite number, and the run stops before any step trains on it."
+            )
 
 
 def is_flat(rewards: list[float], tolerance: float = 1e-9) -> bool:
@@ -202,8 +216,10 @@ class Buffer:
         self.queue: asyncio.Queue[list[Rollout]] = asyncio.Queue()
 
     def put(self, group: list[Rollout]) -> None:
-        """Adds one finished, scored group (all rollouts of one example)."""
+        """Adds one finished, scored group (all rollouts of one example); a reward that is not a finite number
+        ends the run (check_rewards)."""
         assert group, "a group needs at least one rollout"
+        check_rewards(group)
         self.queue.put_nowait(group)
 
     def ready(self) -> int:

@@ -10,6 +10,7 @@ CONFIG = "config.toml"  # the resolved config the run started with (lib/checkpoi
 CONFIG_HEADER = "# plainrl's resolved config: `@` this file, with a new --output-dir, to repeat the run\n"
 RESUMES = "resumes.jsonl"  # a line per resume that changed the config: the changes, the config it took
 PROVENANCE = "provenance.json"  # lib/provenance.py
+BASE = "base.json"  # the base model's path and weights' sha256 (lib/provenance.py write_base), at step 0
 TENSORBOARD = "tb"  # lib/log.py
 METRICS = "metrics.jsonl"  # lib/log.py
 WANDB = "wandb"  # wandb's own files: wandb.init(dir=run_dir) names the folder
@@ -23,10 +24,13 @@ LOSS_CURVE = "loss_curve.png"  # sft.py
 REWARD_CURVE = "reward_curve.png"  # rl.py
 SLURM = "slurm"  # a SLURM job's script and logs (lib/slurm.py), written before the run starts
 EXPORTED = "exported"  # checkpoints written as Hugging Face directories by scripts/export.py
+# In each directory scripts/export.py writes (the checkpoint it came from): the only non-empty directory an
+# export may replace is an earlier export.
+EXPORT_RECORD = "export.json"
 RESTARTED = "restarted"  # earlier runs' outputs, set aside by a restart (lib/checkpoint.py set_aside)
 
 # What a restart moves to restarted/<time>/, and nothing else the directory holds: the job that runs the
-# restart (slurm/) and earlier restarts stay; config.toml is copied there, then rewritten.
+# restart (slurm/) and earlier restarts stay; config.toml and base.json are copied there, then rewritten.
 OUTPUTS = (
     RESUMES,
     PROVENANCE,

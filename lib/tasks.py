@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import importlib.util
+import itertools
 import json
 import os
 import socket
@@ -159,11 +160,12 @@ def env_configs(env: EnvConfig) -> list[EnvConfig]:
     return configs
 
 
-def check_env_ids(env: EnvConfig, data: bool = False) -> None:
+def check_env_ids(env: EnvConfig, data: bool = False, examples_per_step: int = 1) -> None:
     """A one-sentence UserError for an environment id (env.mix's too) that names no installed module, found
     without importing verifiers or the taskset (seconds), so a typo ends a run before servers start or a
-    run directory is made. An environment file (.py) is imported and checked. With `data` (sft.py), a local
-    data file (.jsonl, .json, .parquet) or a dataset id (with `/`) passes."""
+    run directory is made. An environment file (.py) is imported and checked, its examples too (check_examples:
+    at least `examples_per_step`, rl.py's). With `data` (sft.py), a local data file (.jsonl, .json, .parquet)
+    or a dataset id (with `/`) passes."""
     import difflib
 
     verifiers = importlib.util.find_spec("verifiers")
@@ -171,7 +173,7 @@ def check_env_ids(env: EnvConfig, data: bool = False) -> None:
     builtin = [Path(p) / "v1" / "tasksets" for p in verifiers.submodule_search_locations] if verifiers else []
     for config in env_configs(env):
         if is_env_file(config.id):
-            env_file(config.id)
+            check_examples(config, examples_per_step)
             continue
         if data and (config.id.endswith(DATA_FILES) or "/" in config.id):  # lib.data.check_data reads files
             continue
@@ -185,6 +187,25 @@ def check_env_ids(env: EnvConfig, data: bool = False) -> None:
             own = Path(__file__).parent / "tasksets"
             hint = f": it is plainrl's own, which make setup installs (or put {own} on PYTHONPATH)"
         raise UserError(f"environment {config.id} is not an installed verifiers taskset{hint}.")
+
+
+def check_examples(env: EnvConfig, examples_per_step: int) -> None:
+    """A one-sentence UserError for an environment file whose examples() gives none, or fewer than one step takes
+    (a step's groups would play one example twice); reads no more than that many of them."""
+    file = f"environment file {env.id}"
+    count = sum(1 for _ in itertools.islice(env_file(env.id).examples(), examples_per_step))
+    if count == 0:
+        raise UserError(f"{file}: its examples() gave no examples.")
+    if count < examples_per_step:
+        raise UserError(
+            f"{file}: its examples() gave {count} example{'s' * (count > 1)}, and one step takes "
+            f"{examples_per_step} (examples_per_step): give more examples or lower --examples-per-step."
+        )
+    if 0 < env.num_examples < examples_per_step:
+        raise UserError(
+            f"{file}: env.num_examples takes {env.num_examples}, and one step takes {examples_per_step} "
+            "(examples_per_step): raise --env.num-examples or lower --examples-per-step."
+        )
 
 
 def module_found(name: str) -> bool:

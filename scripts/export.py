@@ -7,6 +7,9 @@ weights into it and writes config, safetensors and tokenizer, as weights/step_N 
 serve.py, eval.py, vLLM and transformers load. LoRA adapters are merged into the weights. The weights
 are written in the dtype the run would save on this machine's CPU.
 
+The output directory is replaced whole, so it must be new, empty, or an earlier export (export.py leaves
+export.json in each); a directory holding anything else, a run directory or a folder above one is refused.
+
 Usage:
     python scripts/export.py outputs/tiny/rl/checkpoints/step_100                   # -> outputs/tiny/rl/exported/step_100
     python scripts/export.py outputs/tiny/rl/checkpoints/step_100 --output-dir my_model
@@ -30,11 +33,13 @@ class Config:
     checkpoint: tyro.conf.Positional[Path]
     """A run's checkpoints/step_N (the run directory's config.toml says how to build its model)."""
     output_dir: Path | None = None
-    """Where the Hugging Face directory goes (default: the run's exported/step_N)."""
+    """Where the Hugging Face directory goes (default: the run's exported/step_N): a new or empty directory, or an
+    earlier export, which it replaces."""
 
 
 def main(cfg: Config) -> Path:
     """Writes the directory and returns its path."""
+    import json
     import tomllib
 
     import torch
@@ -42,6 +47,7 @@ def main(cfg: Config) -> Path:
     from lib import dist, rundir
     from lib.checkpoint import atomic_dir, damage
     from lib.model import LoraConfig, ModelConfig, check_model_name, load_tokenizer, load_trainable
+    from lib.provenance import check_base
     from lib.weights import lora_scales, merge_lora, write_hf_dir
 
     checkpoint = cfg.checkpoint.expanduser()
@@ -56,7 +62,10 @@ def main(cfg: Config) -> Path:
     model_config = dataclasses.replace(ModelConfig(**config["model"]), device="cpu", compile="off")
     lora = LoraConfig(**config.get("lora", {}))
     check_model_name(model_config.name)  # the run's starting weights, which the checkpoint's are relative to
-    output = cfg.output_dir or run_dir / rundir.EXPORTED / checkpoint.name
+    if lora.rank:  # the adapters are merged onto the base they trained on, or not at all
+        check_base(run_dir, model_config.name, "export")
+    output = (cfg.output_dir or run_dir / rundir.EXPORTED / checkpoint.name).expanduser()
+    check_output(output, run_dir)
 
     model, save_dtype, _ = load_trainable(model_config, lora, device="cpu", world_size=1, packing=False)
     trained = torch.load(checkpoint / "model.pt", map_location="cpu")
@@ -69,13 +78,38 @@ def main(cfg: Config) -> Path:
         )
     state = merge_lora(dist.full_model_state(model), lora_scales(model), save_dtype)
     hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    kind = f"LoRA rank {lora.rank} merged" if lora.rank else "full weights"
     with atomic_dir(output) as tmp:
         write_hf_dir(tmp, state, hf_model, load_tokenizer(model_config.name), save_dtype)
-    kind = f"LoRA rank {lora.rank} merged" if lora.rank else "full weights"
+        record = {"checkpoint": str(checkpoint.resolve()), "weights": kind}
+        (tmp / rundir.EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
     print(
         f"wrote {output} ({kind}, {str(save_dtype).removeprefix('torch.')}): serve.py, eval.py -m, vLLM load it"
     )
     return output
+
+
+def check_output(output: Path, run_dir: Path) -> None:
+    """A one-sentence UserError unless `output` is new, empty or an earlier export: atomic_dir replaces it whole.
+    The run directory, a folder above it and any folder holding a run's checkpoints/ are refused whatever else
+    they hold."""
+    from lib import rundir
+
+    above_run = run_dir.resolve().is_relative_to(output.resolve())
+    if above_run or (output / rundir.CHECKPOINTS).is_dir():
+        raise UserError(
+            f"--output-dir {output} holds a run ({run_dir if above_run else output}), which an export would "
+            f"replace: give a new or empty directory (the default is the run's {rundir.EXPORTED}/step_N)."
+        )
+    if output.exists() and not output.is_dir():
+        raise UserError(f"--output-dir {output} is a file: give a new or empty directory.")
+    held = sorted(p.name for p in output.iterdir()) if output.is_dir() else []
+    if held and rundir.EXPORT_RECORD not in held:
+        shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+        raise UserError(
+            f"--output-dir {output} holds files export.py did not write ({shown}), which an export would "
+            "replace: give a new or empty directory, or an earlier export."
+        )
 
 
 if __name__ == "__main__":

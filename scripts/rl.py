@@ -26,7 +26,7 @@ Where it departs from the textbook, on purpose:
    Reloader); the logprob probe, which needs the trainer's live weights, runs at the start only.
 
 With --eval.every N, held-out tasks are evaluated as eval.py does (lib/evaluation.py); env.mix draws
-several environments by ratio (lib/mixture.py). Runs write provenance.json and reward_curve.png too.
+several environments by ratio (lib/mixture.py). Runs write provenance.json, base.json and reward_curve.png too.
 
 Usage:
     python scripts/rl.py @ configs/tiny/rl.toml                                     # CPU
@@ -192,7 +192,7 @@ def main(cfg: Config) -> dict:
     rank, _, world_size = dist.world()
     is_main = rank == 0
     check_model_name(cfg.model.name)
-    check_env_ids(cfg.env)  # a typo ends the run here, before any run directory or server
+    check_env_ids(cfg.env, examples_per_step=cfg.examples_per_step)  # before any run directory or server
     # LoRA: the adapter's name on the servers, None where they load the merged model.
     adapter = inference.ADAPTER_NAME if cfg.lora.rank and cfg.inference.lora_sync == "adapter" else None
     cfg.inference.weight_sync = inference.weight_sync_mode(cfg, resolve_device(cfg.model), bool(adapter))

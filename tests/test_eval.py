@@ -1,6 +1,7 @@
 """scripts/eval.py: against a server that always answers right, with failing environments, and against the builtin server."""
 
 import contextlib
+import dataclasses
 import json
 from pathlib import Path
 
@@ -456,3 +457,19 @@ def test_eval_checks_what_a_vllm_server_computes_with(
         "differing weight is model.norm.weight (sum "
     ), last
     assert not (tmp_path / "out").exists()
+
+
+def test_eval_of_an_environment_file_whose_reward_is_text_ends_in_one_sentence(eval_script, tmp_path):
+    # Seen: a reward returning the string "1.0" was taken as 1.0.
+    path = tmp_path / "text_reward.py"
+    path.write_text(
+        "def examples():\n    return [{'prompt': 'a', 'answer': 'b', 'id': 'first'}]\n\n"
+        "def reward(completion, example):\n    return '1.0'\n"
+    )
+    conversations = sft_conversations(EnvConfig(id=str(path)))
+    with serve(oracle_app(conversations)) as url:
+        config = parse(eval_script.Config, [str(path), "-m", "oracle", "-b", url, "-n", "1", "-r", "1"])
+        with pytest.raises(
+            ValueError, match=rf"{path}: reward\(completion, example\) returned '1.0' for example first"
+        ):
+            eval_script.main(dataclasses.replace(config, output_dir=tmp_path / "out"))

@@ -832,3 +832,46 @@ def test_rl_py_reads_as_the_controller_s_story_in_at_most_450_lines():
     """Server start-up, weight-sync wiring and a micro-batch's training live in lib/ (sync, head, loss)."""
     lines = (ROOT / "scripts" / "rl.py").read_text().splitlines()
     assert len(lines) <= 450, len(lines)
+
+
+def test_an_environment_file_whose_reward_is_nan_ends_the_run_before_any_step(tiny_dir, server, tmp_path):
+    # Seen with --advantage.normalize none: one step, every weight NaN, the server loaded them, and the run
+    # ended blaming the server.
+    path = tmp_path / "nan_env.py"
+    path.write_text(
+        "def examples():\n    return [{'prompt': f'say {i}', 'id': f'n{i}'} for i in range(8)]\n\n"
+        "def reward(completion, example):\n    return float('nan')\n"
+    )
+    flags = ["--env.id", str(path), "--advantage.normalize", "none", "--max-async-level", "0"]
+    with pytest.raises(UserError, match=rf"environment file {path}: .* returned nan for example n\d"):
+        rl.main(rl_config(tiny_dir, tmp_path / "run", server.url, *flags, "--sampling.max-tokens", "4"))
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not (tmp_path / "run" / "weights" / "step_1").exists()
+
+
+def test_an_environment_file_with_fewer_examples_than_a_step_is_refused_before_the_run_directory(
+    tiny_dir, tmp_path
+):
+    path = tmp_path / "two.py"
+    path.write_text(
+        "def examples():\n    return [{'prompt': 'a'}, {'prompt': 'b'}]\n\n"
+        "def reward(completion, example):\n    return 1.0\n"
+    )
+    config = rl_config(tiny_dir, tmp_path / "run", "http://127.0.0.1:9/v1", "--env.id", str(path))
+    with pytest.raises(UserError, match=r"gave 2 examples, and one step takes 4 \(examples_per_step\)"):
+        rl.main(config)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_lora_resume_refuses_a_base_model_whose_weights_changed(tiny_dir, server, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_dir, base)
+    on_base_weights(server.url, tiny_dir)  # a LoRA run loads only its adapter onto what the server holds
+    lora = ("--lora.rank", "4", "--max-async-level", "0", "--sampling.max-tokens", "8")
+    rl.main(rl_config(base, tmp_path / "run", server.url, *lora, "--steps", "1"))
+    weights = base / "model.safetensors"
+    save_file({name: t + 0.5 for name, t in load_file(weights).items()}, weights, metadata={"format": "pt"})
+    with pytest.raises(UserError, match=f"--resume: {tmp_path / 'run'} trained its LoRA adapters on {base}"):
+        rl.main(rl_config(base, tmp_path / "run", server.url, *lora, "--steps", "2", "--resume"))

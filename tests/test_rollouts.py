@@ -129,3 +129,17 @@ def test_branches_of_an_episode_share_its_advantage_and_its_number_in_the_step()
     rollouts = asyncio.run(run()).rollouts
     assert [r.advantage for r in rollouts] == pytest.approx([1, 1, -1, -1, 1])
     assert [r.step_episode for r in rollouts] == [0, 0, 1, 2, 3]
+
+
+def test_a_reward_that_is_not_a_finite_number_is_refused_before_any_advantage():
+    # Seen: NaN rewards broke the group std (AttributeError from statistics.stdev) or, without it, trained the
+    # weights into NaN in one step.
+    from lib.config import UserError
+
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        buffer = Buffer(examples_per_step=1, max_async_level=0)
+        group = [rollout(1.0), rollout(bad)]
+        group[1].env, group[1].task_id = "some_env", "task 7"
+        with pytest.raises(UserError, match=rf"environment some_env gave the reward {bad} \(task task 7\)"):
+            buffer.put(group)
+        assert buffer.ready() == 0

@@ -60,7 +60,7 @@ def test_a_directory_that_holds_no_run_is_refused_in_one_sentence_and_left_untou
     # A SLURM job writes its script into the run directory before the run: that one is taken.
     write_files(tmp_path / "job", "slurm/job.sh")
     assert open_dir(config("rl", tmp_path / "job")) is None
-    assert sorted(p.name for p in (tmp_path / "job").iterdir()) == ["config.toml", "slurm"]
+    assert sorted(p.name for p in (tmp_path / "job").iterdir()) == ["base.json", "config.toml", "slurm"]
 
 
 def test_a_restart_sets_aside_what_a_run_writes_and_nothing_else(tmp_path, capsys):
@@ -73,7 +73,9 @@ def test_a_restart_sets_aside_what_a_run_writes_and_nothing_else(tmp_path, capsy
         "weights/step_3/config.json",
         "rollouts/step_3.jsonl",
     ]
-    write_files(run_dir, *written, "wandb_id", "eval/step_0/reverse_text.jsonl", "reward_curve.png")
+    write_files(
+        run_dir, *written, "base.json", "wandb_id", "eval/step_0/reverse_text.jsonl", "reward_curve.png"
+    )
     write_files(run_dir, "notes.txt", "data/train.jsonl", "slurm/job.sh")  # the user's, the job's
     (run_dir / "checkpoints" / ".tmp-step_10").mkdir(parents=True)  # killed while writing its first
     assert open_dir(config("rl", run_dir, "--resume")) is None
@@ -82,6 +84,7 @@ def test_a_restart_sets_aside_what_a_run_writes_and_nothing_else(tmp_path, capsy
         capsys.readouterr().out
     )
     assert sorted(p.name for p in run_dir.iterdir()) == [
+        "base.json",
         "config.toml",
         "data",
         "notes.txt",
@@ -92,6 +95,7 @@ def test_a_restart_sets_aside_what_a_run_writes_and_nothing_else(tmp_path, capsy
         assert (moved / name).read_text() == name
     assert (moved / "checkpoints").is_dir()
     assert (moved / "config.toml").is_file()  # the dead run's config, copied before it is rewritten
+    assert (moved / "base.json").read_text() == "base.json"  # and its base model's record
     assert (run_dir / "notes.txt").read_text() == "notes.txt"
     assert open_dir(config("rl", run_dir, "--resume")) is None  # nothing more to set aside
     assert len(list((run_dir / "restarted").iterdir())) == 1

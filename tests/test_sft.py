@@ -376,3 +376,91 @@ def test_export_writes_a_checkpoint_as_the_hugging_face_directory_the_run_wrote(
     )
     with pytest.raises(ValueError, match="is not a run's checkpoints/step_N"):
         export.main(parse(export.Config, [str(tmp_path / "run" / "weights" / "step_2")]))
+    # An earlier export (its export.json says what it came from) is replaced by the next one.
+    assert json.loads((output / "export.json").read_text())["checkpoint"] == str(checkpoint)
+    assert export.main(parse(export.Config, [str(checkpoint)])) == output
+
+
+def fake_run(run_dir, model):
+    """A run directory as export.py first reads it (config.toml, checkpoints/step_1/model.pt), with outputs of
+    its own beside: enough for what export.py refuses before it loads any weight."""
+    (run_dir / "checkpoints" / "step_1").mkdir(parents=True)
+    torch.save({}, run_dir / "checkpoints" / "step_1" / "model.pt")
+    (run_dir / "config.toml").write_text(f'[model]\nname = "{model}"\n')
+    (run_dir / "metrics.jsonl").write_text("{}\n")
+    return run_dir / "checkpoints" / "step_1"
+
+
+def test_export_refuses_an_output_directory_it_did_not_write(tiny_dir, tmp_path, capsys):
+    # Seen: --output-dir DIR came back holding only the export (notes.txt and another model were gone); the run
+    # directory as --output-dir lost its checkpoints, config.toml, metrics and tb/.
+    from lib.config import run_main
+
+    export = load_script("export")
+    checkpoint = fake_run(tmp_path / "runs" / "run", tiny_dir)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    (mine / "config.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(export.main, parse(export.Config, [str(checkpoint), "--output-dir", str(mine)]))
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert (
+        error.startswith(f"error: --output-dir {mine} holds files export.py did not write")
+        and "\n" not in error
+    )
+    assert "config.json, notes.txt" in error
+    assert sorted(p.name for p in mine.iterdir()) == ["config.json", "notes.txt"]
+    assert (mine / "notes.txt").read_text() == "keep me"
+    other_run = tmp_path / "other"
+    fake_run(other_run, tiny_dir)
+    # The run directory, a folder above it, and another run's directory (its checkpoints/) are refused whole.
+    for output in (tmp_path / "runs" / "run", tmp_path / "runs", tmp_path, other_run):
+        with pytest.raises(ValueError, match=f"--output-dir {output} holds a run"):
+            export.main(parse(export.Config, [str(checkpoint), "--output-dir", str(output)]))
+    for run_dir in (tmp_path / "runs" / "run", other_run):
+        assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "config.toml", "metrics.jsonl"]
+
+
+def rewrite_weights(model_dir) -> bytes:
+    """Moves every weight of the model in `model_dir` by 0.5, in place; returns the file's bytes before."""
+    from safetensors.torch import save_file
+
+    path = model_dir / "model.safetensors"
+    before = path.read_bytes()
+    save_file(
+        {name: tensor + 0.5 for name, tensor in load_file(path).items()}, path, metadata={"format": "pt"}
+    )
+    return before
+
+
+def test_a_lora_run_records_its_base_and_export_and_resume_refuse_another(tiny_dir, data_file, tmp_path):
+    # Seen: after the base model was rewritten, export.py merged a LoRA checkpoint onto it and exited 0 with
+    # weights 0.5 off the run's own; nothing recorded which base the run trained on.
+    import shutil
+
+    from lib.provenance import base_record
+
+    export = load_script("export")
+    base, out = tmp_path / "base", tmp_path / "run"
+    shutil.copytree(tiny_dir, base)
+    lora = ["--lora.rank", "4", "--lora.alpha", "8"]
+    run(*flags(base, data_file, out, *lora, "--steps", "1"))
+    record = json.loads((out / "base.json").read_text())
+    assert record["path"] == str(base) and len(record["sha256"]) == 64
+    checkpoint = out / "checkpoints" / "step_1"
+    export.main(parse(export.Config, [str(checkpoint)]))  # the base it trained on: merged
+
+    original = rewrite_weights(base)
+    with pytest.raises(ValueError) as refused:
+        export.main(parse(export.Config, [str(checkpoint)]))
+    message, current = str(refused.value), base_record(str(base))["sha256"]
+    assert f"{out} trained its LoRA adapters on {base} (weights sha256 {record['sha256'][:16]})" in message
+    assert f"{base} now holds other weights (sha256 {current[:16]})" in message and "\n" not in message
+    assert json.loads((out / "base.json").read_text()) == record  # the record stays the run's
+    with pytest.raises(ValueError, match=f"--resume: {out} trained its LoRA adapters on {base}"):
+        run(*flags(base, data_file, out, *lora, "--steps", "2", "--resume"))
+
+    (base / "model.safetensors").write_bytes(original)  # the same weights, written again: a new file time
+    assert len(run(*flags(base, data_file, out, *lora, "--steps", "2", "--resume"))["history"]) == 1

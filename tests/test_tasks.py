@@ -238,3 +238,89 @@ def test_an_environment_file_gives_tasks_and_sft_conversations_and_its_mistakes_
         match=r"must define examples\(\) and reward\(completion, example\) .*its reward is not that",
     ):
         check_env_ids(EnvConfig(id=str(broken)))
+
+
+def test_an_environment_file_loads_by_any_path_in_every_script(tmp_path, monkeypatch):
+    # Seen: sft.py took an id holding `/` for a hub dataset (RuntimeError: Dataset scripts are no longer
+    # supported), so only a bare my_env.py in the working directory worked.
+    from conftest import docs_env_file
+
+    from lib.data import check_data, load_conversations
+    from lib.tasks import check_env_ids
+
+    (tmp_path / "envs").mkdir()
+    path = docs_env_file(tmp_path / "envs")
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for given in (str(path), "../envs/my_env.py", "~/envs/my_env.py", "envs/my_env.py"):
+        if given == "envs/my_env.py":  # a relative path with directories, from the folder above them
+            monkeypatch.chdir(tmp_path)
+        env = EnvConfig(id=given, num_examples=2)
+        check_env_ids(env)  # rl.py, eval.py
+        check_data(env)  # sft.py
+        assert [m["role"] for m in load_conversations(env)[0]] == ["system", "user", "assistant"], given
+        tasks = list(load_tasks(load_env(env), env).taskset)  # rl.py's and eval.py's episodes
+        assert len(tasks) == 2 and tasks[0].data.path == str(path), given
+
+
+def test_an_environment_files_reward_must_be_a_finite_number(tmp_path):
+    # Seen: a reward of NaN trained one step into NaN weights (or broke the group std with a traceback), and
+    # the string "1.0" passed as 1.0.
+    import asyncio
+    import types
+
+    from lib.config import UserError
+
+    path = tmp_path / "rewards.py"
+    path.write_text(
+        "VALUES = [0.5, True, 2, float('nan'), float('inf'), '1.0', None, 'raise', 'async']\n\n"
+        "def examples():\n"
+        "    for index, value in enumerate(VALUES):\n"
+        "        yield {'prompt': f'p{index}', 'id': f'ex{index}'}\n\n"
+        "async def later():\n"
+        "    return 0.25\n\n"
+        "def reward(completion, example):\n"
+        "    value = VALUES[int(example['id'][2:])]\n"
+        "    if value == 'raise':\n"
+        "        return example['answer']\n"
+        "    return later() if value == 'async' else value\n"
+    )
+    env = EnvConfig(id=str(path))
+    tasks = list(load_tasks(load_env(env), env).taskset)
+    trace = types.SimpleNamespace(last_reply="a reply")
+
+    def score(index: int) -> float:
+        return asyncio.run(tasks[index].file_reward(tasks[index].data, trace))
+
+    assert [score(0), score(1), score(2), score(8)] == [0.5, 1.0, 2.0, 0.25]  # a bool counts as 0 or 1
+    for index, shown in [(3, "nan"), (4, "inf"), (5, "'1.0'"), (6, "None")]:
+        with pytest.raises(UserError) as error:
+            score(index)
+        message = str(error.value)
+        assert f"environment file {path}: reward(completion, example) returned {shown}" in message, message
+        assert f"example ex{index}" in message and "not a finite number" in message, message
+        assert "\n" not in message
+    with pytest.raises(
+        UserError, match=rf"{path}: reward\(completion, example\) raised KeyError: 'answer' on example ex7"
+    ):
+        score(7)
+
+
+def test_an_environment_file_with_fewer_examples_than_a_step_takes_is_refused(tmp_path):
+    from lib.config import UserError
+    from lib.tasks import check_env_ids
+
+    empty, three = tmp_path / "empty.py", tmp_path / "three.py"
+    rewards = "\n\ndef reward(completion, example):\n    return 1.0\n"
+    empty.write_text("def examples():\n    return []" + rewards)
+    three.write_text("def examples():\n    return [{'prompt': str(i)} for i in range(3)]" + rewards)
+    with pytest.raises(UserError, match=f"environment file {empty}: its examples\\(\\) gave no examples"):
+        check_env_ids(EnvConfig(id=str(empty)))
+    with pytest.raises(UserError, match=r"gave 3 examples, and one step takes 4 \(examples_per_step\)"):
+        check_env_ids(EnvConfig(id=str(three)), examples_per_step=4)
+    with pytest.raises(
+        UserError, match=r"env.num_examples takes 2, and one step takes 3 \(examples_per_step\)"
+    ):
+        check_env_ids(EnvConfig(id=str(three), num_examples=2), examples_per_step=3)
+    check_env_ids(EnvConfig(id=str(three)), examples_per_step=3)

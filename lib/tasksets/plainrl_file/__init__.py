@@ -2,11 +2,14 @@
 
 The file defines `examples()`, an iterable of dicts with a `prompt` (text, or a list of chat messages) and
 whatever else its reward needs (an `answer` there is also SFT's target), and `reward(completion, example)`,
-the score of the model's last reply given its example, a float (plain or async). A module-level
-`SYSTEM_PROMPT` (or an example's `system_prompt`) is shown first. docs/environments.md has an example.
+the score of the model's last reply given its example, a finite number (plain or async; a bool is 0 or 1).
+A module-level `SYSTEM_PROMPT` (or an example's `system_prompt`) is shown first. docs/environments.md has an
+example.
 """
 
 import inspect
+import math
+import numbers
 
 import verifiers.v1 as vf
 from pydantic import model_validator
@@ -41,8 +44,24 @@ class FileData(vf.TaskData):
 class FileTask(vf.Task[FileData, vf.State, vf.TaskConfig]):
     @vf.reward(weight=1.0)
     async def file_reward(self, task: FileData, trace: vf.Trace) -> float:
-        score = env_file(task.path).reward(trace.last_reply or "", task.example)
-        return float(await score if inspect.isawaitable(score) else score)
+        """The file's reward, a finite number (a bool counts as 0 or 1). One that raises, or is anything else
+        (NaN, inf, the text "1.0", None), ends the run in one sentence before any step trains on it: verifiers
+        records the UserError on the episode, and lib/envs.py raise_user_error raises it again."""
+        where = f"environment file {task.path}: reward(completion, example)"
+        try:
+            score = env_file(task.path).reward(trace.last_reply or "", task.example)
+            if inspect.isawaitable(score):
+                score = await score
+        except Exception as error:  # the file's own bug, told with its message
+            message = " ".join(str(error).split())
+            raise UserError(
+                f"{where} raised {type(error).__name__}: {message} on example {task.id}"
+            ) from None
+        if not isinstance(score, numbers.Real) or not math.isfinite(score):
+            raise UserError(
+                f"{where} returned {score!r} for example {task.id}, not a finite number (a float, an int or a bool)."
+            )
+        return float(score)
 
 
 class FileTaskset(vf.Taskset[FileTask, FileConfig]):
