@@ -54,7 +54,8 @@ def main() -> None:
     greedy_gain, greedy_error = demo.paired_gain(demo.greedy(before), demo.greedy(after))
     print(f"\nRL from {args.sft}, {cfg.rl_steps} steps, seed {cfg.seed}, {minutes:.1f} min")
     print(f"held-out reward, sampled: {demo.reward(before):.3f} -> {demo.reward(after):.3f}")
-    print(f"held-out gain, sampled: {gain:+.3f} +- {error:.3f} ({gain / error if error else float("inf"):.1f} standard errors)")
+    errors = gain / error if error else float("inf")
+    print(f"held-out gain, sampled: {gain:+.3f} +- {error:.3f} ({errors:.1f} standard errors)")
     print(f"held-out gain, greedy:  {greedy_gain:+.3f} +- {greedy_error:.3f}")
 
 
