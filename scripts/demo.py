@@ -2,7 +2,7 @@
 a model -> eval -> RL -> eval.
 
 Three recipes (--recipe), with the real pretrained SmolLM2-135M-Instruct from PyPI (scripts/smollm2.py):
-- arithmetic (`make demo`): sums and differences of two numbers up to 99 (plainrl_arithmetic, answered in
+- arithmetic (`make demo`): sums and differences of two numbers up to 30 (plainrl_arithmetic, answered in
   <answer> tags), where the base model scores near 0: SFT on the train split's reference answers teaches the
   format and part of the skill, RL from the SFT weights the rest. Presets configs/smollm2_two_digit.
 - reverse-text (`make demo-reverse-text`): the seed recipe on reverse_text, configs/smollm2 (SFT teaches

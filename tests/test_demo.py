@@ -274,8 +274,8 @@ def test_the_real_model_demos_are_sft_then_rl_with_their_presets(
     ):  # held out by the split: SFT and RL train on train, every evaluation is on test
         assert sft.data.kwargs["split"] == rl.env.kwargs["split"] == "train"
         assert {json.loads(e.env_args)["split"] for e in evals} == {"test"}
-        assert sft.data.kwargs["max_operand"] == rl.env.kwargs["max_operand"] == 99
-        assert {json.loads(e.env_args)["max_operand"] for e in evals} == {99}
+        assert sft.data.kwargs["max_operand"] == rl.env.kwargs["max_operand"] == 30
+        assert {json.loads(e.env_args)["max_operand"] for e in evals} == {30}
     # An evaluation killed between its sampled and its greedy run is not done: a rerun does both.
     shutil.rmtree(cfg.out / "eval")
     (cfg.out / "eval" / "base").mkdir(parents=True)
