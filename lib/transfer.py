@@ -26,9 +26,8 @@ def rendezvous_address(urls: list[str]) -> str:
     if not elsewhere:
         return "127.0.0.1"
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as route:
-        route.connect(
-            (urlsplit(elsewhere[0]).hostname, 9)
-        )  # a datagram socket sends nothing: it picks the route
+        # A datagram socket sends nothing on connect: it only picks the route.
+        route.connect((urlsplit(elsewhere[0]).hostname, 9))
         return route.getsockname()[0]
 
 
