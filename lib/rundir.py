@@ -48,6 +48,36 @@ OUTPUTS = (
 )
 # What a directory may hold before its first run: a SLURM job writes its script there first.
 BEFORE_RUN = (SLURM,)
+# A field of one script's config alone: which script's run a config.toml is (tests/test_rundir.py keeps it so).
+SCRIPT_FIELDS = {"batch_size": "sft.py", "max_async_level": "rl.py", "base_url": "eval.py"}
+
+
+def script_of(fields) -> str | None:
+    """The script whose config has the fields named `fields`, by SCRIPT_FIELDS (None: none of them)."""
+    return next((script for field, script in SCRIPT_FIELDS.items() if field in fields), None)
+
+
+def check_script(path: Path, config_class: type) -> None:
+    """A one-sentence UserError when `path` holds another plainrl script's run (its config.toml, as plainrl
+    wrote it, is that script's): rl.py given an SFT run's directory must not advise --resume."""
+    from lib.config import UserError
+
+    try:
+        text = (path / CONFIG).read_text()
+        theirs = script_of({key.replace("-", "_") for key in tomllib.loads(text)})
+    except (OSError, ValueError):  # none, or not TOML: is_run_dir's to judge
+        return
+    ours = script_of({field.name for field in dataclasses.fields(config_class)})
+    if not text.startswith(CONFIG_HEADER) or theirs is None or theirs == ours:
+        return
+    hint = ""
+    if (theirs, ours) == ("sft.py", "rl.py"):
+        steps = sorted(path.glob(f"{WEIGHTS}/step_*"), key=lambda p: int(p.name.rpartition("_")[2]))
+        newest = steps[-1] if steps else path / WEIGHTS / "step_N"
+        hint = f" (it starts from the SFT run's weights with --model.name {newest})"
+    raise UserError(
+        f"{path} holds an {theirs} run, not one of {ours}'s: give {ours} another --output-dir{hint}"
+    )
 
 
 def is_run_dir(path: Path, config_class: type) -> bool:

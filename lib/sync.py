@@ -95,7 +95,7 @@ def open_servers(
     sampling = bounded(cfg.sampling)
     servers = Servers(urls, names, api_key, cfg.inference.pause_mode, adapter, tolerance)
     servers.top_k, servers.top_p, servers.kept_set = sampling.top_k, sampling.top_p, kept_set
-    servers.sender = transfer.sender(cfg.inference, urls, api_key, device)  # None: from the disk
+    servers.sender = transfer.sender(cfg.inference, urls, api_key, device, say)  # None: from the disk
     if kept_set != "none":
         source = "served by the engine" if kept_set == "served" else "recomputed by the trainer"
         say(f"top_k {sampling.top_k}, top_p {sampling.top_p}: each token's kept set is {source}")

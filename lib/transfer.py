@@ -19,21 +19,25 @@ from lib.endpoint import check_servers, headers, model_card, root_url, ssl_conte
 GLOO = "plainrl_gloo"
 
 
-def local_address(url: str) -> str:
-    """The address of this machine on the route to the server at `url`: where the server reaches rank 0."""
-    host = urlsplit(url).hostname or "127.0.0.1"
+def rendezvous_address(urls: list[str]) -> str:
+    """Where the servers at `urls` reach rank 0: loopback when every one is on this machine's loopback (the
+    group then listens there alone, lib/group.py), else this machine's address on the route to one that is not."""
+    elsewhere = [url for url in urls if not group.is_loopback(urlsplit(url).hostname or "")]
+    if not elsewhere:
+        return "127.0.0.1"
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as route:
-        route.connect((host, 9))  # a datagram socket sends nothing on connect: it only picks the route
+        # A datagram socket sends nothing on connect: it only picks the route.
+        route.connect((urlsplit(elsewhere[0]).hostname, 9))
         return route.getsockname()[0]
 
 
-def sender(config, urls: list[str], api_key: str | None, device: str) -> "Sender | None":
+def sender(config, urls: list[str], api_key: str | None, device: str, say=print) -> "Sender | None":
     """Rank 0's Sender for a run whose inference.weight_sync is memory (config: InferenceConfig), else None."""
     from lib.inference import transfer_backend
 
     if config.weight_sync != "memory" or not urls:
         return None
-    return Sender(urls, api_key, device, transfer_backend(config, device))
+    return Sender(urls, api_key, device, transfer_backend(config, device), say)
 
 
 def step_tensors(model, dtype) -> dict:
@@ -94,8 +98,8 @@ class Sender:
     GPUs); vLLM's own `nccl` engine joins vLLM's NCCL communicator (GPUs only: vLLM 0.32's CPU build fails
     to join; an engine that moved nothing, as vLLM #57022 reports of it, meets the fingerprint)."""
 
-    def __init__(self, urls: list[str], api_key: str | None, device: str, vllm_backend: str):
-        self.urls, self.api_key, self.vllm_backend = urls, api_key, vllm_backend
+    def __init__(self, urls: list[str], api_key: str | None, device: str, vllm_backend: str, say=print):
+        self.urls, self.api_key, self.vllm_backend, self.say = urls, api_key, vllm_backend, say
         self.device = "cuda" if device.startswith("cuda") else "cpu"
         self.group, self.timeout_s, self.vllm_nccl = None, group.TIMEOUT_S, False
 
@@ -110,7 +114,7 @@ class Sender:
         if vllm_nccl and any(builtin):
             raise UserError("an in-memory sync over vLLM's nccl engine cannot include builtin engines.")
         world_size, port = 1 + sum(sizes), free_port()
-        host, offsets = local_address(self.urls[0]), [1 + sum(sizes[:i]) for i in range(len(sizes))]
+        host, offsets = rendezvous_address(self.urls), [1 + sum(sizes[:i]) for i in range(len(sizes))]
         transport = "nccl" if self.device == "cuda" else "gloo"
 
         def init(url: str, offset: int) -> None:
@@ -163,8 +167,15 @@ class Sender:
             "dtype_names": [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
             "shapes": [list(t.shape) for t in tensors.values()],
         }
-        for url in self.urls:
-            self._call(url, "POST", "/start_weight_update")
+        if restarted := self._start():
+            # A server restarted since the group formed holds none: the group forms again, as at the start,
+            # and this sync goes on (the fingerprint after it checks the new server as any other).
+            servers = f"server{'s' if len(restarted) > 1 else ''} {', '.join(restarted)}"
+            self.say(
+                f"the inference {servers} restarted since the weight-transfer group formed: forming it again"
+            )
+            self.connect()
+            self._start(again=True)
 
         def transmit() -> None:
             for tensor in tensors.values():
@@ -194,6 +205,21 @@ class Sender:
             ) from None
         for url in self.urls:
             self._call(url, "POST", "/finish_weight_update")
+
+    def _start(self, again: bool = False) -> list[str]:
+        """POST /start_weight_update to every server; returns the roots of those without a group (restarted).
+        `again`, once the group formed again: a server that started before it did (vLLM keeps the update
+        open across a new group; the builtin engine closes it) goes on, and one without a group is an error."""
+        restarted = []
+        for url in self.urls:
+            try:
+                self._call(url, "POST", "/start_weight_update")
+            except UserError as error:
+                if group.NO_GROUP in str(error) and not again:
+                    restarted.append(root_url(url))
+                elif not (again and "already active" in str(error)):
+                    raise
+        return restarted
 
     def _call(self, url: str, method: str, path: str, body: dict | None = None) -> dict:
         with httpx.Client(headers=headers(self.api_key), verify=ssl_context()) as http:

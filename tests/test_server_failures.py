@@ -169,7 +169,7 @@ def test_a_server_that_cannot_see_the_run_directory_stops_it_before_training(hid
 
 
 def test_a_killed_server_ends_the_run_in_seconds_and_resume_continues(
-    engine, hidden_server, trained_tiny, request
+    engine, hidden_server, trained_tiny, request, capfd, caplog
 ):
     server, root = hidden_server()
     out = root / "killed"
@@ -178,6 +178,10 @@ def test_a_killed_server_ends_the_run_in_seconds_and_resume_continues(
         run_args(trained_tiny, out, server.url), out / "checkpoints" / "step_2", kill
     )
     assert "not reachable" in sentence or "did not answer" in sentence, sentence
+    # The sentence alone says why: no traceback above it, printed or logged (cancelled episodes, asyncio).
+    printed = "".join(capfd.readouterr())
+    assert "Traceback" not in printed, printed[-3000:]
+    assert not [record for record in caplog.records if record.exc_info], caplog.text[-3000:]
     assert seconds < NOTICE_S, seconds
     print(f"\nkilled server: the run ended {seconds:.1f} s after kill -9: {sentence}")
     checkpoint = last_checkpoint(out)

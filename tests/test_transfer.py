@@ -158,6 +158,57 @@ def test_a_resumed_run_forms_the_group_again_and_goes_on_in_memory(elsewhere, ti
     assert (out / "checkpoints" / "step_3").is_dir()
 
 
+def test_an_attached_server_restarted_between_steps_is_found_and_the_group_formed_again(
+    tiny_dir, tmp_path, monkeypatch, capsys
+):
+    """A server restarted between two syncs holds no group: the next sync says the server restarted, forms
+    the group again as at the start, and the run goes on in memory (a disk sync survives the same restart)."""
+    port, root = inference.free_port(), tmp_path / "own"
+
+    def start(name: str) -> inference.Server:
+        return inference.start_server(
+            str(tiny_dir), port, engine="torch", weights_root=root, log_path=tmp_path / f"{name}.log"
+        )
+
+    servers, send = [start("first")], transfer.Sender.send
+
+    def restarting_send(self, tensors):
+        if len(servers) == 1 and self.group is not None:  # step 1's weights: the server restarts first
+            servers[0].stop()
+            servers.append(start("second"))
+        return send(self, tensors)
+
+    monkeypatch.setattr(transfer.Sender, "send", restarting_send)
+    try:
+        args = memory_args(tiny_dir, tmp_path / "run", servers[0].url, "--checkpoint-every", "5")
+        result = rl.main(parse(rl.Config, args))
+    finally:
+        servers[-1].stop()
+    assert len(servers) == 2 and len(result["history"]) == 2
+    # The fingerprint passed on the new server, then the probe: it serves step 1's weights, then step 2's.
+    assert all(m["sync/probe_logprob_difference"] < 1e-3 for m in result["history"]), result["history"]
+    root_url = servers[0].url.removesuffix("/v1")
+    said = capsys.readouterr().out
+    assert f"the inference server {root_url} restarted since the weight-transfer group formed" in said, said
+
+
+def test_the_rendezvous_listens_on_loopback_alone_when_every_server_is_local():
+    """The group's store and gloo's own listener take no connection from another machine when every server
+    is on this machine's loopback (127.0.0.0/8, localhost, ::1): they have no authentication."""
+    import psutil
+
+    local = ["http://127.0.0.1:8000/v1", "http://127.0.0.2:8001/v1", "http://localhost:8002/v1"]
+    assert transfer.rendezvous_address([*local, "http://[::1]:8003/v1"]) == "127.0.0.1"
+    port = inference.free_port()
+    member = group.join("127.0.0.1", port, rank=0, world_size=1, backend="gloo", timeout_s=30)
+    listening = {c.laddr for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+    assert ("127.0.0.1", port) in listening, listening
+    assert {address.ip for address in listening} == {"127.0.0.1"}, listening
+    tensor = torch.ones(3)
+    group.broadcast(member, tensor)  # the group works as before
+    assert tensor.tolist() == [1.0, 1.0, 1.0]
+
+
 def midway(monkeypatch, act) -> dict:
     """Calls act() once the trainer has sent the first weight of its second update (step 1's)."""
     sent, broadcast = {"count": 0, "updates": 0}, group.broadcast

@@ -35,7 +35,7 @@ class Receiver:
 
     def start(self) -> None:
         if self.group is None:
-            raise UserError("no weight transfer group: POST /init_weight_transfer_engine first.")
+            raise UserError(f"{group.NO_GROUP}: POST /init_weight_transfer_engine first.")
         if self.updating:
             raise UserError("start_weight_update called while a weight update is already active.")
         self.updating = True
