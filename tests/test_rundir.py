@@ -95,6 +95,7 @@ def test_rl_given_an_sft_runs_directory_says_it_is_one_and_not_to_resume_it(tmp_
         parse(rl.Config, ["--output-dir", str(run_dir), "--resume"])
     assert capsys.readouterr().err.strip() == f"error: {expected}"
     assert sorted(p.name for p in run_dir.iterdir()) == [
+        "base.json",
         "checkpoints",
         "config.toml",
         "provenance.json",
