@@ -35,12 +35,7 @@ def plot_curve(
     axes.set(xlabel="step", ylabel=label.split(" (")[0], title=title)
     axes.legend(loc="best", fontsize="small")
     axes.grid(alpha=0.3)
-    path = Path(path)
-    partial = path.with_name(f".{path.name}.partial.png")
-    figure.savefig(partial, dpi=120, bbox_inches="tight")
-    plt.close(figure)
-    partial.replace(path)
-    return path
+    return save(figure, path)
 
 
 def eval_points(evaluator) -> dict[str, list[tuple[int, float]]]:
@@ -61,7 +56,7 @@ def plot_stages(
 ) -> Path:
     """The demo's figure: SFT's loss (right axis) over its steps, then RL's reward over its own (left axis),
     on one step axis; each of `evaluations` (sampled, greedy) as points before SFT, after it and after RL.
-    Written to a temporary name and renamed, as plot_curve does."""
+    Written as plot_curve writes its PNG (save)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -100,6 +95,13 @@ def plot_stages(
         handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, fontsize="small"
     )
     reward_axes.grid(alpha=0.3)
+    return save(figure, path)
+
+
+def save(figure, path: Path) -> Path:
+    """Writes `figure` as a PNG to a temporary name and renames it: a reader never sees half a PNG."""
+    import matplotlib.pyplot as plt
+
     path = Path(path)
     partial = path.with_name(f".{path.name}.partial.png")
     figure.savefig(partial, dpi=120, bbox_inches="tight")
