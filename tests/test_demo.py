@@ -433,27 +433,23 @@ def test_stages_made_from_weights_that_changed_since_are_redone(toy_demo):
 
 
 def test_a_redone_evaluation_killed_before_it_finished_is_redone_again(toy_demo):
-    """New SFT weights make the evaluation after SFT stale; killed as it starts again (its old summary still
+    """New RL weights make the evaluation after RL stale; killed as it starts again (its old summary still
     there), the next run must redo it, not report the old weights' score."""
     from safetensors.torch import load_file, save_file
 
     out = toy_demo["cfg"].out
     run_demo(demo.Config(out=out, **TOY))  # finished, whatever the tests before left
-    weights = out / "sft" / "weights" / "step_4" / "model.safetensors"
+    weights = out / "rl" / "weights" / "step_2" / "model.safetensors"
     save_file({k: v * 0.99 for k, v in load_file(weights).items()}, weights, metadata={"format": "pt"})
 
     def killed_as_it_starts(*args, **kwargs):
-        if "after-sft" in args:
+        if "after-rl" in args:
             raise KeyboardInterrupt
 
     with pytest.MonkeyPatch.context() as patch, pytest.raises(KeyboardInterrupt):
         patch.setattr(demo, "run", killed_as_it_starts)
         run_demo(demo.Config(out=out, **TOY))
-    assert commands(run_demo(demo.Config(out=out, **TOY))) == [
-        "eval.py after-sft",
-        "rl.py",
-        "eval.py after-rl",
-    ]
+    assert commands(run_demo(demo.Config(out=out, **TOY))) == ["eval.py after-rl"]
 
 
 def test_the_arithmetic_demo_runs_every_stage_held_out_on_a_small_model(tmp_path, monkeypatch, tiny_dir):
@@ -463,7 +459,7 @@ def test_the_arithmetic_demo_runs_every_stage_held_out_on_a_small_model(tmp_path
     import plainrl_arithmetic as arith
 
     monkeypatch.setattr(demo, "SMOLLM2_DIR", tiny_dir)
-    cfg = demo.Config(out=tmp_path / "demo", sft_steps=2, rl_steps=2, eval_examples=16, eval_rollouts=1)
+    cfg = demo.Config(out=tmp_path / "demo", sft_steps=2, rl_steps=2, eval_examples=8, eval_rollouts=1)
     printed = run_demo(cfg)
     assert commands(printed) == [
         "eval.py base",
@@ -498,4 +494,4 @@ def test_the_arithmetic_demo_runs_every_stage_held_out_on_a_small_model(tmp_path
     sft_args = tomllib.loads((demo.ROOT / "configs" / "smollm2_two_digit" / "sft.toml").read_text())["data"]
     sft_data = sft_conversations(EnvConfig(id=sft_args["id"], args=sft_args["args"], num_examples=4000))
     taught = {arith.canonical(c[1]["content"].removeprefix("What is ").removesuffix("?")) for c in sft_data}
-    assert len(scored) == 16 and trained and not scored & (trained | taught)
+    assert len(scored) == 8 and trained and not scored & (trained | taught)
