@@ -112,12 +112,13 @@ def base_record(name: str) -> dict:
     sha256 over every byte of its safetensors files (None where there are none). Files' sizes and times miss a
     rewrite (a copy keeps them; a file written again with the same weights moves them); reading the bytes
     costs ~0.7 s for SmolLM2's 538 MB on one busy core, ~1 s a GB, at a run's start, a LoRA resume or export."""
+    from lib.checkpoint import file_sha256
+
     directory = model_directory(name)
     files = sorted(directory.glob("*.safetensors")) if directory else []
     digest = hashlib.sha256()
     for file in files:
-        with open(file, "rb") as weights:
-            digest.update(f"{file.name} {hashlib.file_digest(weights, 'sha256').hexdigest()}\n".encode())
+        digest.update(f"{file.name} {file_sha256(file)}\n".encode())
     path = str(directory) if directory else None
     return {"model": name, "path": path, "sha256": digest.hexdigest() if files else None}
 
