@@ -22,7 +22,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
-import demo  # noqa: E402  (scripts/demo.py: its stages' commands, evaluation and paired gain)
+import demo  # noqa: E402  (scripts/demo.py: its stages' commands and evaluation)
+
+from lib.evaluation import paired_gain  # noqa: E402
 
 
 def main() -> None:
@@ -50,8 +52,8 @@ def main() -> None:
     )
     demo.evaluate(cfg, rl / "weights" / f"step_{cfg.rl_steps}", after)
     minutes = (time.perf_counter() - start) / 60
-    gain, error = demo.paired_gain(before, after)
-    greedy_gain, greedy_error = demo.paired_gain(demo.greedy(before), demo.greedy(after))
+    gain, error = paired_gain(before, after)
+    greedy_gain, greedy_error = paired_gain(demo.greedy(before), demo.greedy(after))
     print(f"\nRL from {args.sft}, {cfg.rl_steps} steps, seed {cfg.seed}, {minutes:.1f} min")
     print(f"held-out reward, sampled: {demo.reward(before):.3f} -> {demo.reward(after):.3f}")
     errors = gain / error if error else float("inf")

@@ -1,4 +1,5 @@
-"""Evaluation: rollouts of held-out tasks, their records, pass@k and the summary (eval.py's and rl.py's)."""
+"""Evaluation: rollouts of held-out tasks, their records, pass@k, the summary (eval.py's and rl.py's), and the paired
+gain between two evaluations of the same tasks."""
 
 import asyncio
 import dataclasses
@@ -172,6 +173,21 @@ async def while_healthy(work, base_url: str, api_key: str | None):
     finally:
         running.cancel()
         watch.stop.set()  # else asyncio.run waits, after Ctrl-C, for a check still polling in its thread
+
+
+def paired_gain(before: Path, after: Path) -> tuple[float, float]:
+    """The mean reward gain from evaluation `before` to `after` over the tasks both scored (the same held-out
+    tasks), and the standard error of that mean: of the per-task differences, so it is the gain's own noise."""
+
+    def per_task(run_dir: Path) -> dict:
+        lines = (run_dir / "results.jsonl").read_text().splitlines()
+        return {(r["task_id"], r["rollout"]): r["reward"] for r in map(json.loads, lines)}
+
+    old, new = per_task(before), per_task(after)
+    differences = [new[key] - old[key] for key in old.keys() & new.keys()]
+    if len(differences) < 2:
+        return float("nan"), float("nan")
+    return statistics.fmean(differences), statistics.stdev(differences) / len(differences) ** 0.5
 
 
 class Evaluator:

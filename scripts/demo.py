@@ -230,22 +230,6 @@ def reward(run_dir: Path) -> float:
     return json.loads((run_dir / "summary.json").read_text())["avg_reward"]
 
 
-def paired_gain(before: Path, after: Path) -> tuple[float, float]:
-    """The mean reward gain from evaluation `before` to `after` over the tasks both scored (the same held-out
-    tasks), and the standard error of that mean: of the per-task differences, so it is the gain's own noise."""
-    import statistics
-
-    def per_task(run_dir: Path) -> dict:
-        lines = (run_dir / "results.jsonl").read_text().splitlines()
-        return {(r["task_id"], r["rollout"]): r["reward"] for r in map(json.loads, lines)}
-
-    old, new = per_task(before), per_task(after)
-    differences = [new[key] - old[key] for key in old.keys() & new.keys()]
-    if len(differences) < 2:
-        return float("nan"), float("nan")
-    return statistics.fmean(differences), statistics.stdev(differences) / len(differences) ** 0.5
-
-
 def greedy(run_dir: Path) -> Path:
     return run_dir.with_name(run_dir.name + "-greedy")
 
@@ -478,6 +462,8 @@ def main(cfg: Config) -> dict:
     )
     said = ", ".join(f"{name} {value:.3f}" for name, value in zip(stages_said, rewards))
     print(f"\n{said} -> after RL {rewards[-1]:.3f}{took}")
+    from lib.evaluation import paired_gain
+
     dirs = evaluated_dirs(cfg)
     gains = [
         (f"{name.removeprefix('reward ')}", *paired_gain(a, b))
