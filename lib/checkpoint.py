@@ -7,7 +7,6 @@ the run directory at the start: what it refuses, what a restart sets aside, what
 """
 
 import contextlib
-import hashlib
 import json
 import os
 import random
@@ -17,6 +16,7 @@ from pathlib import Path
 
 from lib import dist, rundir
 from lib.config import UserError
+from lib.provenance import check_base, file_sha256, write_base
 
 STEP_DIR = re.compile(r"step_(\d+)")
 MANIFEST = "manifest.json"
@@ -84,10 +84,12 @@ def claim(cfg, say) -> Path | None:
     keeps them, refuses LoRA adapters a base model that changed since (check_base) and records what its config
     changes (record_changes)."""
     from lib.config import write_config
-    from lib.provenance import check_base, write_base
 
     run_dir = cfg.output_dir
-    rundir.check_script(run_dir, type(cfg))  # another script's run (its provenance.json would pass below)
+    if other := rundir.other_script(
+        run_dir, type(cfg)
+    ):  # another script's run (provenance.json passes below)
+        raise UserError(other)
     if run_dir.is_dir() and not rundir.is_run_dir(run_dir, type(cfg)):
         if foreign := sorted(p.name for p in run_dir.iterdir() if p.name not in rundir.BEFORE_RUN):
             shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
@@ -237,11 +239,6 @@ def drop_newer(parent: Path, step: int) -> None:
     for path in step_dirs(parent):
         if step_of(path) > step:
             shutil.rmtree(path)
-
-
-def file_sha256(path: Path) -> str:
-    with open(path, "rb") as file:
-        return hashlib.file_digest(file, "sha256").hexdigest()
 
 
 def write_manifest(directory: Path) -> None:

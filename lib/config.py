@@ -281,7 +281,8 @@ def parse(config_class: type, argv: list[str] | None = None, description: str | 
     config = _cli(config_class, flags, description)
     if getattr(config, "resume", False):
         try:
-            rundir.check_script(config.output_dir, config_class)  # before its fields meet ours
+            if other := rundir.other_script(config.output_dir, config_class):  # before its fields meet ours
+                raise UserError(other)
             saved = run_config(config.output_dir)
         except UserError as error:
             fail(str(error))

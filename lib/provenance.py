@@ -107,13 +107,16 @@ def model_directory(name: str) -> Path | None:
     return Path(huggingface_hub.snapshot_download(name, allow_patterns=["*.safetensors", "*.json"]))
 
 
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
+
+
 def base_record(name: str) -> dict:
     """{"model", "path", "sha256"}: the base model as given, the directory its weights are read from, and a
     sha256 over every byte of its safetensors files (None where there are none). Files' sizes and times miss a
     rewrite (a copy keeps them; a file written again with the same weights moves them); reading the bytes
     costs ~0.7 s for SmolLM2's 538 MB on one busy core, ~1 s a GB, at a run's start, a LoRA resume or export."""
-    from lib.checkpoint import file_sha256
-
     directory = model_directory(name)
     files = sorted(directory.glob("*.safetensors")) if directory else []
     digest = hashlib.sha256()

@@ -57,27 +57,23 @@ def script_of(fields) -> str | None:
     return next((script for field, script in SCRIPT_FIELDS.items() if field in fields), None)
 
 
-def check_script(path: Path, config_class: type) -> None:
-    """A one-sentence UserError when `path` holds another plainrl script's run (its config.toml, as plainrl
-    wrote it, is that script's): rl.py given an SFT run's directory must not advise --resume."""
-    from lib.config import UserError
-
+def other_script(path: Path, config_class: type) -> str | None:
+    """The one sentence to end on when `path` holds another plainrl script's run (its config.toml, as plainrl
+    wrote it, is that script's), else None: rl.py given an SFT run's directory must not advise --resume."""
     try:
         text = (path / CONFIG).read_text()
         theirs = script_of({key.replace("-", "_") for key in tomllib.loads(text)})
     except (OSError, ValueError):  # none, or not TOML: is_run_dir's to judge
-        return
+        return None
     ours = script_of({field.name for field in dataclasses.fields(config_class)})
     if not text.startswith(CONFIG_HEADER) or theirs is None or theirs == ours:
-        return
+        return None
     hint = ""
     if (theirs, ours) == ("sft.py", "rl.py"):
         steps = sorted(path.glob(f"{WEIGHTS}/step_*"), key=lambda p: int(p.name.rpartition("_")[2]))
         newest = steps[-1] if steps else path / WEIGHTS / "step_N"
         hint = f" (it starts from the SFT run's weights with --model.name {newest})"
-    raise UserError(
-        f"{path} holds an {theirs} run, not one of {ours}'s: give {ours} another --output-dir{hint}"
-    )
+    return f"{path} holds an {theirs} run, not one of {ours}'s: give {ours} another --output-dir{hint}"
 
 
 def is_run_dir(path: Path, config_class: type) -> bool:

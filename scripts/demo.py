@@ -174,7 +174,7 @@ class Stage:
 @functools.cache
 def sha256(path: Path, size: int, mtime_ns: int) -> str:
     """A file's sha256, computed once a run for the same file, size and time (SmolLM2's weights are 540 MB)."""
-    from lib.checkpoint import file_sha256
+    from lib.provenance import file_sha256
 
     return file_sha256(path)
 
