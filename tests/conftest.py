@@ -14,6 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # The fixture tasksets import by name (letter_taskset: a reward that varies even for an untrained model).
 sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
+# Each session's seconds and what each test started, in outputs/test-report.json (tests/suite_record.py).
+pytest_plugins = ["suite_record"]
 # Inductor's cache does not tell kernels compiled for AVX2 from AVX-512 ones (torch 2.13): a run with the CPU
 # lowered (docs/testing.md) keeps a cache of its own, or each run would load the other's kernels and compute
 # NaN or crash.
