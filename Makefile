@@ -94,10 +94,10 @@ test: setup setup-smollm2  ## ruff check and the whole test suite, real vLLM (CP
 	@$(MAKE) --no-print-directory setup-vllm || { [ "$$CI" != true ] && \
 		echo "make test: vLLM's CPU build could not be installed here: its tests will be skipped"; }
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/pytest --durations=15
+	$(VENV)/bin/pytest -n 2 --dist loadfile --durations=15
 
-test-quick: setup  ## the inner loop: every test but the slow ones (real vLLM, multi-process runs)
-	$(VENV)/bin/pytest -m "not slow"
+test-quick: setup  ## the inner loop (~3 min): the tests under ~6 s each, no real vLLM; make test runs every one
+	$(VENV)/bin/pytest -n 2 --dist loadfile -m "not slow and not vllm"
 
 lint: setup  ## ruff check + format check
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -190,6 +190,30 @@ def smollm2_vllm_server(vllm_installed, smollm2_dir, tmp_path_factory):
         yield server
 
 
+# The files whose tests take longest (their minutes: docs/testing.md), longest first. `make test` hands whole
+# files to two pytest-xdist workers in collection order, so these go first: a long file left for the end
+# keeps one worker busy while the other idles.
+LONGEST_FIRST = [
+    "test_multinode.py",
+    "test_demo.py",
+    "test_rl.py",
+    "test_kept_sets.py",
+    "test_eval.py",
+    "test_qwen_vllm.py",
+    "test_vllm_rl.py",
+    "test_server_failures.py",
+    "test_transfer.py",
+    "test_slurm.py",
+    "test_smollm2.py",
+]
+
+
+def pytest_collection_modifyitems(items):
+    """LONGEST_FIRST's files first, the rest after in their own order; each file's tests keep theirs."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 FREE_DISK_NEEDED = 4 * 2**30  # a session writes ~2 GB of checkpoints and servers' caches at its peak
 
 
