@@ -77,6 +77,7 @@ def toy_demo(tmp_path_factory):
     return {"cfg": cfg, "first": first, "left": left, "second": run_demo(cfg)}
 
 
+@pytest.mark.slow
 def test_demo_runs_every_stage_and_draws_the_curve(toy_demo):
     cfg = toy_demo["cfg"]
     result = demo.main(cfg)  # finished: it reads the results again
@@ -137,6 +138,7 @@ def test_a_failed_stage_is_one_sentence():
         demo.run("scripts/tiny.py", "--no-such-flag")
 
 
+@pytest.mark.slow
 def test_an_interrupted_demo_runs_only_the_stages_it_had_left(toy_demo):
     assert commands(toy_demo["first"]) == ["tiny.py", "sft.py", "eval.py after-sft"]
     assert commands(toy_demo["second"]) == ["rl.py", "eval.py after-rl"]
@@ -148,6 +150,7 @@ def test_an_interrupted_demo_runs_only_the_stages_it_had_left(toy_demo):
     assert {name: now[name] for name in left} == left
 
 
+@pytest.mark.slow
 def test_a_finished_demo_rerun_touches_nothing_and_says_where_its_results_are(toy_demo):
     out = toy_demo["cfg"].out
     before = files(out)
@@ -159,6 +162,7 @@ def test_a_finished_demo_rerun_touches_nothing_and_says_where_its_results_are(to
     assert "make clean" in printed and "--out" in printed
 
 
+@pytest.mark.slow
 def test_an_interrupted_sft_stage_continues_from_its_last_checkpoint(toy_demo):
     """As if killed after checkpoint 3 of 4: the later stages' outputs stay, so only SFT runs."""
     out = toy_demo["cfg"].out
@@ -176,6 +180,7 @@ def test_an_interrupted_sft_stage_continues_from_its_last_checkpoint(toy_demo):
     assert {name: stamp for name, stamp in files(out).items() if not name.startswith("sft/")} == later
 
 
+@pytest.mark.slow
 def test_a_rerun_with_other_settings_or_into_a_foreign_directory_is_refused(toy_demo, tmp_path):
     out = toy_demo["cfg"].out
     before = files(out)
@@ -387,6 +392,7 @@ def half_failed(run_dir) -> None:
     (run_dir / "summary.json").write_text(json.dumps(summary))
 
 
+@pytest.mark.slow
 def test_a_half_failed_evaluation_stops_the_demo_naming_it_and_a_rerun_redoes_it(toy_demo):
     out = toy_demo["cfg"].out
     after_rl = out / "eval" / "after-rl"
@@ -414,6 +420,7 @@ def test_a_half_failed_evaluation_stops_the_demo_naming_it_and_a_rerun_redoes_it
     assert json.loads((after_rl / "summary.json").read_text())["status"] == "ok"
 
 
+@pytest.mark.slow
 def test_stages_made_from_weights_that_changed_since_are_redone(toy_demo):
     """SFT redone into other weights: the evaluation after SFT, RL from them and what follows are stale."""
     from safetensors.torch import load_file, save_file
@@ -432,6 +439,7 @@ def test_stages_made_from_weights_that_changed_since_are_redone(toy_demo):
     assert commands(run_demo(demo.Config(out=out, **TOY))) == []
 
 
+@pytest.mark.slow
 def test_a_redone_evaluation_killed_before_it_finished_is_redone_again(toy_demo):
     """New RL weights make the evaluation after RL stale; killed as it starts again (its old summary still
     there), the next run must redo it, not report the old weights' score."""
@@ -452,6 +460,7 @@ def test_a_redone_evaluation_killed_before_it_finished_is_redone_again(toy_demo)
     assert commands(run_demo(demo.Config(out=out, **TOY))) == ["eval.py after-rl"]
 
 
+@pytest.mark.slow
 def test_the_arithmetic_demo_runs_every_stage_held_out_on_a_small_model(tmp_path, monkeypatch, tiny_dir):
     """`make demo`'s stages for real, with its presets, on the tiny model in SmolLM2's place and the fewest
     steps: each stage hands its output to the next, the report gives each stage's reward and its gain, and

@@ -48,6 +48,7 @@ def test_draw_samples_each_rows_distribution_and_never_a_filtered_token():
     assert draw(wide, torch.tensor([1 - 2**-53], dtype=torch.float64)).item() == 49_151
 
 
+@pytest.mark.slow
 def test_draw_gives_every_token_of_a_span_exactly_its_probability():
     """The exact chance of each token, found by bisection on the uniform number (draw is monotone in it), over
     whole spans of a 49,152-token row: a span's last token of tiny mass must get neither the rounding gap

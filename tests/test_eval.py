@@ -199,6 +199,7 @@ def test_eval_scores_an_environment_from_one_python_file(eval_script, tmp_path, 
     assert summary["avg_reward"] == 1.0 and summary["num_rollouts"] == 3 and summary["num_errors"] == 0
 
 
+@pytest.mark.slow
 def test_eval_against_the_builtin_server_on_the_tiny_model(eval_script, tiny_dir, tmp_path, capsys):
     """Without -b, eval.py starts scripts/serve.py itself (and stops it); then both environments against one server."""
     from lib.inference import running_server

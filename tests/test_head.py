@@ -45,6 +45,7 @@ def scored(model, chunked: bool, input_ids, position_ids, mask):
     return logp.detach(), ent, grads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["untied", "tied", "lora"])
 def test_chunks_give_the_full_logits_logprobs_entropy_and_gradients(kind, tiny_dir, tied_qwen, monkeypatch):
     path = tied_qwen if kind == "tied" else tiny_dir

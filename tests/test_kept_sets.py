@@ -73,6 +73,7 @@ def trained_steps(result) -> list[dict]:
 # ---------------------------------------------------------------- on-policy runs
 
 
+@pytest.mark.slow
 def test_without_kept_sets_the_on_policy_ratio_is_biased(tiny_dir, server, tmp_path, monkeypatch):  # noqa: F811
     # The trainer scoring over the whole vocabulary while the server sampled from its top-k/top-p: the
     # measurement that made rl.py refuse top_p before (a ratio of 0.90 at top_p 0.9).
@@ -89,6 +90,7 @@ def test_without_kept_sets_the_on_policy_ratio_is_biased(tiny_dir, server, tmp_p
     assert all(ratio < 0.97 for ratio in ratios), ratios
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kept_set", ["served", "recomputed"])
 def test_on_policy_ratio_is_one_over_the_kept_sets(kept_set, tiny_dir, server, tmp_path, capsys):  # noqa: F811
     if kept_set == "served":  # rl.py starts a builtin server of its own, with --return-sampling-mask
@@ -158,6 +160,7 @@ def test_on_policy_ratio_is_one_over_recomputed_sets_against_vllm(
 # ---------------------------------------------------------------- the rules
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", ["tiny", "qwen"])
 def test_kept_sets_of_model_logits_are_vllms(shape, tiny_dir, qwen_bf16, vllm_rule, monkeypatch):
     from transformers import AutoModelForCausalLM
@@ -283,6 +286,7 @@ def test_renormalised_logprobs_and_gradients_equal_a_direct_computation(source, 
 # ---------------------------------------------------------------- trainer against engine
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["float32", "bf16 autocast"])
 def test_share_of_sampled_tokens_outside_the_recomputed_set(precision, qwen_bf16):
     """The builtin engine samples at the Qwen shape (serving float32, or bf16 as GPUs do) and returns its kept

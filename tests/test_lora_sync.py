@@ -62,6 +62,7 @@ def mean_difference(a: list[float], b: list[float]) -> float:
     return sum(abs(x - y) for x, y in zip(a, b)) / len(a)
 
 
+@pytest.mark.slow
 def test_three_lora_steps_serve_the_trainers_adapter_not_the_base_model(
     lora_server, trained_tiny, tmp_path, monkeypatch
 ):
@@ -175,6 +176,7 @@ def scalars(run_dir, tag: str) -> dict[int, float]:
     return {event.step: event.value for event in events.Scalars(tag)}
 
 
+@pytest.mark.slow
 def test_a_resume_after_kill_9_serves_the_checkpoints_adapter(lora_server, trained_tiny, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -141,6 +141,7 @@ def trained_draws(out, step) -> list[tuple[str, str]]:
     return sorted({(r["env"], r["task_id"]) for r in records})
 
 
+@pytest.mark.slow
 def test_kill_9_and_resume_continue_an_uninterrupted_runs_draw_sequence_past_the_groups_in_flight(
     tiny_dir, tmp_path
 ):
@@ -187,6 +188,7 @@ def test_kill_9_and_resume_continue_an_uninterrupted_runs_draw_sequence_past_the
             assert trained_draws(out, step) == expected, step  # the killed run's first 4 steps
 
 
+@pytest.mark.slow
 def test_a_mixture_logs_reward_flat_groups_errors_tokens_and_evaluations_per_environment(
     tiny_dir, server, tmp_path, monkeypatch, capsys
 ):

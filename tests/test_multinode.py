@@ -250,6 +250,7 @@ def test_two_node_rl_with_live_rollouts_resumes_the_task_counter(tiny_dir, serve
     assert resumed and set(resumed) <= {f"letter-{i % 16}" for i in range(index, index + 4)}, (index, resumed)
 
 
+@pytest.mark.slow
 def test_rl_spreads_rollouts_over_two_servers_and_reloads_both(tiny_dir, servers, tmp_path, monkeypatch):
     import httpx
     from transformers import AutoModelForCausalLM

@@ -41,6 +41,7 @@ def paused_server(request, builtin):
         httpx.post(f"{root}/resume", timeout=30)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("paused_server", ENGINES, indirect=True)
 def test_eval_against_a_paused_server_stops_with_one_sentence(paused_server, monkeypatch, tmp_path):
     # Before, eval.py waited in silence until killed (seen: still waiting after 100 s).
@@ -90,6 +91,7 @@ def test_rl_stops_when_another_client_pauses_its_server_between_syncs(
     assert (run_dir / "weights" / "step_1").is_dir()  # step 1 trained and synced normally
 
 
+@pytest.mark.slow
 def test_sigterm_stops_a_paused_builtin_server_and_its_waiting_clients_get_an_error(tiny_dir, tmp_path):
     port = inference.free_port()
     command = [sys.executable, str(ROOT / "scripts/serve.py"), "--model.name", str(tiny_dir)]

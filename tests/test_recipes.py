@@ -23,6 +23,7 @@ def moved(run, tiny_dir) -> bool:
     return any(not torch.equal(trained[name], start[name]) for name in start)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["dppo", "grpo", "dr_grpo", "gspo", "cispo", "trl"])
 def test_each_recipe_runs_two_steps_and_trains(recipe, tiny_dir, server, tmp_path):  # noqa: F811
     # Each recipe over the tiny preset, which sets GSPO's: a recipe sets every field it relies on. On policy:

@@ -122,6 +122,7 @@ def test_the_server_rl_starts_gets_its_share_of_the_gpu_and_the_trainers_length(
     assert "--enable-lora" not in vllm_flags("--lora.rank", "4", "--inference.lora-sync", "merged")
 
 
+@pytest.mark.slow
 def test_an_attached_server_may_serve_the_model_under_another_name(tiny_dir, server, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(tiny_dir, copy)  # the run's model.name differs from the name the server answers to
@@ -243,6 +244,7 @@ def test_lora_training_scores_on_policy_tokens_with_the_servers_weights(tiny_dir
         )
 
 
+@pytest.mark.slow
 def test_rollout_errors_are_logged_per_step_with_a_running_total(
     tiny_dir, server, tmp_path, monkeypatch, capsys
 ):
@@ -302,6 +304,7 @@ def test_on_policy_ratio_is_one_and_the_server_gets_each_step_weights(tiny_dir, 
     assert max(abs(a - b) for a, b in zip(choice["logprobs"]["token_logprobs"], expected)) < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compiled", ["off", "on"])
 def test_bf16_autocast_on_cpu_keeps_the_on_policy_ratio_within_bf16_tolerance(
     compiled, tiny_dir, server, tmp_path
@@ -326,6 +329,7 @@ def test_bf16_autocast_on_cpu_keeps_the_on_policy_ratio_within_bf16_tolerance(
     assert 1e-4 < max(differences) < probing.BF16_PROBE_TOLERANCE, differences
 
 
+@pytest.mark.slow
 def test_eval_during_rl_scores_held_out_tasks_and_every_record_reaches_wandb(
     tiny_dir, server, tmp_path, monkeypatch, capsys
 ):
@@ -457,6 +461,7 @@ def kill_at_step_6_then_resume(command: list[str], cwd, out, env) -> subprocess.
     return resumed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weight_sync", ["memory", "disk"])  # memory: what its own server on a CPU takes
 def test_kill_9_then_resume_continues_from_the_last_checkpoint(weight_sync, tiny_dir, tmp_path):
     out = tmp_path / "run"
@@ -503,6 +508,7 @@ def test_a_run_killed_before_its_first_checkpoint_restarts_in_its_directory(tiny
     assert set(tensorboard_scalars(out)["reward/mean"]) == {1, 2}  # the new run's steps alone
 
 
+@pytest.mark.slow
 def test_wandb_keeps_every_step_tensorboard_has_across_kill_9_and_resume(tiny_dir, tmp_path):
     out = tmp_path / "run"
     wandb = ("--wandb.project", "p", "--wandb.offline", "--checkpoint-every", "4")
@@ -518,6 +524,7 @@ def test_wandb_keeps_every_step_tensorboard_has_across_kill_9_and_resume(tiny_di
         assert {step: logged.get(tag, {}).get(step) for step in steps} == pytest.approx(steps, rel=1e-6), tag
 
 
+@pytest.mark.slow
 def test_ctrl_c_checkpoints_the_step_it_is_on_then_resume_continues(tiny_dir, tmp_path):
     out = tmp_path / "run"
     command = own_server_command(tiny_dir, out, "--steps", "40", "--checkpoint-every", "100")
@@ -580,6 +587,7 @@ SEQUENCE_LEVEL = [
 KL_AND_ENTROPY = ["--loss.kl-coef", "0.1", "--loss.entropy-coef", "0.01"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "extra",
     [[], ["--lora.rank", "4", "--optim.lr", "1e-2"], SEQUENCE_LEVEL, KL_AND_ENTROPY],
@@ -682,6 +690,7 @@ def test_rl_runs_an_upstream_shaped_endless_taskset_with_a_tool(tiny_dir, server
     assert all("reply with the sum only" in json.dumps(record["prompt"]) for record in records)
 
 
+@pytest.mark.slow
 def test_at_async_level_one_the_next_step_trains_while_the_servers_reload(
     tiny_dir, server, tmp_path, monkeypatch
 ):

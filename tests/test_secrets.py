@@ -52,6 +52,7 @@ def read_process(pid: int) -> tuple[list[str], dict[str, str]] | None:
     return argv, dict(pair.split("=", 1) for pair in pairs if "=" in pair)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads the process tree from /proc")
 def test_a_run_keeps_the_key_off_every_command_line_and_out_of_every_file(tiny_dir, tmp_path):
     """`make rl` as the README runs it, the key exported: make, its shells, rl.py, the server it starts and

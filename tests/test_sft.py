@@ -132,6 +132,7 @@ def test_asking_for_wandb_without_it_installed_fails_at_parse_time_in_one_senten
         assert "pip install wandb" in lines[0]
 
 
+@pytest.mark.slow
 def test_resume_after_a_kill_gives_the_same_losses_and_weights(tiny_dir, data_file, tmp_path, monkeypatch):
     args = ("--steps", "6", "--checkpoint-every", "3")
     full = run(*flags(tiny_dir, data_file, tmp_path / "full", *args))
@@ -220,6 +221,7 @@ def test_lora_weights_are_merged_into_the_saved_model(tiny_dir, data_file, tmp_p
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_two_cpu_processes_match_one(tiny_dir, data_file, tmp_path):
     args = flags(tiny_dir, data_file, tmp_path / "two", "--steps", "3", "--micro-batch-size", "1")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -237,6 +239,7 @@ def test_two_cpu_processes_match_one(tiny_dir, data_file, tmp_path):
     assert all(torch.allclose(a[k], b[k], atol=1e-4) for k in a)
 
 
+@pytest.mark.slow
 def test_bf16_autocast_on_cpu_trains_float32_master_weights_and_tracks_float32s_loss(
     tiny_dir, data_file, tmp_path
 ):

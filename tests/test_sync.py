@@ -40,6 +40,7 @@ def test_a_failed_reload_resumes_the_server_and_names_it_and_the_directory(serve
     assert endpoint.is_healthy(running.url)
 
 
+@pytest.mark.slow
 def test_a_pause_that_times_out_still_resumes_the_server(server, tiny_dir, monkeypatch):
     """/pause?mode=wait behind a long completion outlasts the client's timeout, but the server paused all the
     same: reload_weights must send it /resume, or every later request (an attached eval's) waits forever."""
@@ -125,6 +126,7 @@ def test_a_dead_or_silent_server_is_one_sentence(tmp_path):
         reload.post(http, gone, "/pause?mode=wait")
 
 
+@pytest.mark.slow
 def test_a_server_with_a_longer_context_is_asked_for_rollouts_that_fit_a_training_row(
     server, tiny_dir, tmp_path, capsys
 ):

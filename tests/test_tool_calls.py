@@ -83,6 +83,7 @@ def check_round_trip(episode, conversation: dict, train: bool, tokenizer) -> Non
         assert all((lp != 0.0) == m for lp, m in zip(sample.inference_logp, sample.loss_mask))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("train", [False, True])
 def test_tool_round_trip_scores_one_and_tool_results_carry_no_loss(train, scripted_policy, tiny_dir):
     from transformers import AutoTokenizer
@@ -120,6 +121,7 @@ def engine_playing_tool_caller(request, tool_caller, tmp_path_factory):
         reload.reload_weights([server.url], request.getfixturevalue("trained_tiny"), None, "default")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("train", [False, True])
 def test_the_tool_round_trip_through_both_engines(train, engine_playing_tool_caller, tiny_dir):
     """The same round trip with a real engine sampling (greedy) from a model that learned the reference

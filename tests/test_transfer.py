@@ -74,6 +74,7 @@ def served_logprobs(url: str, model: str, prompt: list[int]) -> tuple[list[int],
     return choice["choices"][0]["token_ids"], choice["choices"][0]["logprobs"]["token_logprobs"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_level", ["0", "1"])
 def test_memory_sync_needs_no_shared_directory_and_serves_the_trainers_weights(
     async_level, elsewhere, tiny_dir, tmp_path
@@ -103,6 +104,7 @@ def test_memory_sync_needs_no_shared_directory_and_serves_the_trainers_weights(
     assert max(abs(a - b) for a, b in zip(logprobs, logp[len(prompt) - 1 :].tolist())) < 1e-4
 
 
+@pytest.mark.slow
 def test_two_servers_on_two_loopback_nodes_without_a_shared_directory_take_every_step(
     elsewhere, tiny_dir, tmp_path
 ):
@@ -158,6 +160,7 @@ def test_a_resumed_run_forms_the_group_again_and_goes_on_in_memory(elsewhere, ti
     assert (out / "checkpoints" / "step_3").is_dir()
 
 
+@pytest.mark.slow
 def test_an_attached_server_restarted_between_steps_is_found_and_the_group_formed_again(
     tiny_dir, tmp_path, monkeypatch, capsys
 ):
@@ -319,6 +322,7 @@ def test_a_trainer_gone_mid_transfer_leaves_the_server_serving_and_ready_for_a_n
     sender.close()
 
 
+@pytest.mark.slow
 @pytest.mark.vllm
 def test_vllm_takes_the_weights_in_memory_through_plainrls_gloo_engine(vllm_server, trained_tiny, tmp_path):
     """Against real vLLM (its CPU build): the engine registered by plainrl, driven over vLLM's own routes."""
@@ -337,6 +341,7 @@ def test_vllm_takes_the_weights_in_memory_through_plainrls_gloo_engine(vllm_serv
         reload.reload_weights([vllm_server.url], trained_tiny, None, "default")  # back for the other tests
 
 
+@pytest.mark.slow
 @pytest.mark.vllm
 def test_vllms_own_nccl_engine_on_the_cpu_build_stops_the_run_naming_the_server(
     vllm_installed, tiny_dir, tmp_path
