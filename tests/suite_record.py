@@ -54,12 +54,12 @@ class Watcher:
         self.seen: dict[int, set[str]] = {}
         self.counts: collections.Counter = collections.Counter()
         self.lock = threading.Lock()
-        self.stop = threading.Event()
         threading.Thread(target=self.poll, daemon=True).start()
 
     def poll(self) -> None:
         own = os.getpid()
-        while not self.stop.wait(POLL_S):
+        while True:  # a daemon thread: it ends with the session's process
+            time.sleep(POLL_S)
             parents = {}
             for entry in os.scandir("/proc"):
                 try:  # the field after the command's name in parentheses: state, then the parent's pid
