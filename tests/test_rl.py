@@ -699,10 +699,15 @@ def test_at_async_level_one_the_next_step_trains_while_the_servers_reload(
 
     reloads, trained = {}, []
     reload_weights, score = reload.reload_weights, lib.head.next_token_scores
+    followed = {"step_1", "step_2", "step_3"}  # reloads a later step of the 4 could train beside
 
     def slow_reload(urls, directory, api_key, label, **kwargs):
-        began = time.monotonic()
-        time.sleep(2.0)  # a slow file system or a large model
+        # A slow file system or a large model: the reload lasts until training has begun again (bounded),
+        # so the overlap does not depend on how fast this machine samples the next step's rollouts. A
+        # controller that waited for the reload before training would sit out the bound and fail below.
+        began, calls = time.monotonic(), len(trained)
+        while label in followed and len(trained) == calls and time.monotonic() < began + 20:
+            time.sleep(0.05)
         reload_weights(urls, directory, api_key, label, **kwargs)
         reloads[label] = (began, time.monotonic())
 
@@ -721,9 +726,9 @@ def test_at_async_level_one_the_next_step_trains_while_the_servers_reload(
     overlapping = [
         label for label, (began, ended) in reloads.items() if any(began < t < ended for t in trained)
     ]
-    assert len(overlapping) >= 2, (reloads, trained)
+    assert sorted(overlapping) == sorted(followed), (reloads, trained)
     assert all(m["rollouts/staleness_max"] <= 1 for m in history), history
-    assert all(m["time/wait_sync"] < 2.0 for m in history[:1]) and "time/wait_sync" in history[-1]
+    assert history[0]["time/wait_sync"] < 2.0 and "time/wait_sync" in history[-1]
     assert result["weights"] == tmp_path / "run" / "weights" / "step_4"
 
 
