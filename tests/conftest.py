@@ -7,6 +7,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -326,3 +327,13 @@ def recorded_layouts(monkeypatch) -> list[tuple[bool, int, int]]:
 
     monkeypatch.setattr(lib.packing, "rl_micro_batches", recording)
     return layouts
+
+
+def eventually(condition, seconds: float = 10.0) -> bool:
+    """Whether `condition()` becomes true within `seconds` (polled; a busy machine only makes it slower)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True

@@ -9,6 +9,7 @@ import types
 
 import numpy as np
 import pytest
+from conftest import eventually
 
 import lib.producer
 from lib import patches
@@ -74,16 +75,6 @@ class FakeTask(dict):
     @property
     def data(self):
         return types.SimpleNamespace(id=self["id"], idx=None)
-
-
-def eventually(condition, seconds: float = 10.0) -> bool:
-    """Whether `condition()` becomes true within `seconds` (polled; a busy machine only makes it slower)."""
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def take_within(run: Producer, step: int, seconds: float = 20.0):

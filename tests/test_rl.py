@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 import torch
-from conftest import ROOT, load_script, recorded_layouts, tensorboard_scalars, wandb_history
+from conftest import ROOT, eventually, load_script, recorded_layouts, tensorboard_scalars, wandb_history
 
 from lib import inference, probing
 from lib.config import UserError, parse
@@ -706,8 +706,8 @@ def test_at_async_level_one_the_next_step_trains_while_the_servers_reload(
         # so the overlap does not depend on how fast this machine samples the next step's rollouts. A
         # controller that waited for the reload before training would sit out the bound and fail below.
         began, calls = time.monotonic(), len(trained)
-        while label in followed and len(trained) == calls and time.monotonic() < began + 20:
-            time.sleep(0.05)
+        if label in followed:
+            eventually(lambda: len(trained) > calls, 20)
         reload_weights(urls, directory, api_key, label, **kwargs)
         reloads[label] = (began, time.monotonic())
 
