@@ -72,7 +72,9 @@ def test_problems_are_seeded_evaluated_as_written_and_split_apart():
     assert expressions("train") == train and expressions("train", seed=1) != train
     for prompt, answer in train + test:
         expression = prompt.removeprefix("What is ").removesuffix("?")
-        assert answer == f"<answer>{eval(expression)}</answer>"
+        assert answer == f"{expression} = {eval(expression)}\n<answer>{eval(expression)}</answer>"
+        # the reference answer (SFT's target) scores 1, tagged, its last number the value
+        assert set(rewards(answer, expression, eval(expression)).values()) == {1}
         assert all(1 <= int(n) <= 20 for n in expression.split(" ")[::2])
     assert not {p for p, _ in train} & {p for p, _ in test}  # no test problem is ever a training one
     assert len({p for p, _ in test}) > 100  # and the test split is no handful
