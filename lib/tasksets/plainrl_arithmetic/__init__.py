@@ -132,10 +132,11 @@ def reference_conversation(data) -> list[dict]:
     then the value in tags. Writing "14 + 20 = 34" first is how a small pretrained model gets values right (it
     has read many such lines): SmolLM2-135M-Instruct after 60 SFT steps on these answered 0.24 of the held-out
     sums up to 30 right, sampled, against 0.06 after the same SFT on the bare tagged value (docs/smollm2.md)."""
+    reply = f"{data.expression} = {data.answer}\n<answer>{data.answer}</answer>"
     return [
         {"role": "system", "content": data.system_prompt},
         {"role": "user", "content": data.prompt},
-        {"role": "assistant", "content": f"{data.expression} = {data.answer}\n<answer>{data.answer}</answer>"},
+        {"role": "assistant", "content": reply},
     ]
 
 
