@@ -37,7 +37,6 @@ Usage:
 
 import contextlib
 import dataclasses
-import functools
 import json
 import os
 import shlex
@@ -45,21 +44,18 @@ import subprocess
 import sys
 import time
 import tomllib
-from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # finds lib/ outside the virtualenv too
 import lib.venv  # noqa: F401  (first: says which python to use when the dependencies are missing)
-from lib.config import UserError, parse, run_main, to_dict, write_atomically, write_config
+from lib.config import UserError, parse, run_main, to_dict, write_config
 from lib.models import SMOLLM2_DIR
+from lib.stages import Stage, run_stages
 from lib.venv import ROOT
 
 SETTINGS = "demo.toml"  # the settings the demo in a directory was started with
-INPUTS = (
-    "inputs.json"  # {stage: the sha256 of each file it was made from}: a stage made from others is redone
-)
-STARTED = "started"  # INPUTS' entry for what each training stage last started from, finished or not
+INPUTS = "inputs.json"  # {stage: the sha256 of each file it was made from} (lib/stages.py)
 
 
 # Each recipe's settings where the command line leaves them out (None), besides the steps of its presets
@@ -156,38 +152,6 @@ def resolved(cfg: Config) -> Config:
     if not 0 <= cfg.sft_min_lr_ratio <= 1:
         raise UserError("sft_min_lr_ratio must be in [0, 1].")
     return cfg
-
-
-@dataclasses.dataclass
-class Stage:
-    """A step of the demo: `run` makes what `done` looks for from `inputs` (files or directories the stages
-    before it made); a rerun skips a stage that is done and was made from the same inputs as now."""
-
-    name: str
-    done: Callable[[], bool]
-    run: Callable[[], object]
-    inputs: tuple[Path, ...] = ()
-    run_dir: Path | None = None
-    """A training stage's: its run there is set aside (lib/checkpoint.py) when its inputs changed."""
-
-
-@functools.cache
-def sha256(path: Path, size: int, mtime_ns: int) -> str:
-    """A file's sha256, computed once a run for the same file, size and time (SmolLM2's weights are 540 MB)."""
-    from lib.provenance import file_sha256
-
-    return file_sha256(path)
-
-
-def contents(paths: tuple[Path, ...]) -> list[dict[str, str]]:
-    """What a stage starts from: for each path, the sha256 of each file (under a directory, by relative name)."""
-    found = []
-    for path in paths:
-        files = [file for file in (sorted(path.rglob("*")) if path.is_dir() else [path]) if file.is_file()]
-        found.append(
-            {str(f.relative_to(path)): sha256(f, f.stat().st_size, f.stat().st_mtime_ns) for f in files}
-        )
-    return found
 
 
 def run(*args: str, env: dict | None = None) -> None:
@@ -404,54 +368,7 @@ def main(cfg: Config) -> dict:
     start = time.perf_counter()
     check_settings(cfg)
     with contextlib.ExitStack() as cleanup:
-        every = stages(cfg, cleanup)
-        record = cfg.out / INPUTS
-        made_from = json.loads(record.read_text()) if record.is_file() else {}
-
-        def is_done(stage: Stage) -> bool:
-            """Done, and made from what its inputs hold now (a stage an older demo made, unrecorded, is trusted)."""
-            return stage.done() and made_from.setdefault(stage.name, contents(stage.inputs)) == contents(
-                stage.inputs
-            )
-
-        # A stage is judged when its turn comes, after the stages before it ran: they may change its inputs.
-        first = next((index for index, stage in enumerate(every) if not is_done(stage)), len(every))
-        if first == len(every):
-            print(f"the demo in {cfg.out} is finished: nothing to do, its results are below")
-        elif first:
-            print(
-                f"going on with the demo in {cfg.out}: {', '.join(s.name for s in every[:first])} done already"
-            )
-
-        # ------------------------------------------------------------ stages
-        # A stage's inputs are recorded once it finished: one killed while redoing itself from new inputs
-        # still has the old inputs on record, and is redone next time (its old output is not trusted).
-        # A training stage also records what it started from, so that a rerun from other inputs does not
-        # resume a run that was made from the old ones.
-        started = made_from.setdefault(STARTED, {})
-
-        def remember(where: dict, name: str, inputs: list) -> None:
-            if where.get(name) != inputs:
-                where[name] = inputs
-                write_atomically(record, json.dumps(made_from, indent=1) + "\n")
-
-        left = []
-        for stage in every[first:]:
-            if is_done(stage):
-                continue
-            inputs = contents(stage.inputs)
-            if stage.run_dir is not None:
-                if started.get(stage.name, made_from.get(stage.name, inputs)) != inputs:
-                    from lib.checkpoint import set_aside
-
-                    moved = set_aside(stage.run_dir)
-                    print(
-                        f"{stage.name}: its inputs changed since it ran, so it starts over (the old run: {moved})"
-                    )
-                remember(started, stage.name, inputs)
-            stage.run()
-            remember(made_from, stage.name, inputs)
-            left.append(stage)
+        left = run_stages(stages(cfg, cleanup), cfg.out / INPUTS, f"the demo in {cfg.out}")
 
     # ------------------------------------------------------------ report
     rewards = [reward(run_dir) for run_dir in evaluated_dirs(cfg)]

@@ -1,0 +1,92 @@
+"""A pipeline of stages that a rerun goes on with: each stage is skipped when it is done and was made from the
+same inputs (the sha256 of each file) as now, recorded in a JSON file once it finished."""
+
+import dataclasses
+import functools
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from lib.config import write_atomically
+
+STARTED = "started"  # the record's entry for what each training stage last started from, finished or not
+
+
+@dataclasses.dataclass
+class Stage:
+    """A step of a pipeline: `run` makes what `done` looks for from `inputs` (files or directories the stages
+    before it made); a rerun skips a stage that is done and was made from the same inputs as now."""
+
+    name: str
+    done: Callable[[], bool]
+    run: Callable[[], object]
+    inputs: tuple[Path, ...] = ()
+    run_dir: Path | None = None
+    """A training stage's: its run there is set aside (lib/checkpoint.py) when its inputs changed."""
+
+
+@functools.cache
+def sha256(path: Path, size: int, mtime_ns: int) -> str:
+    """A file's sha256, computed once a run for the same file, size and time (SmolLM2's weights are 540 MB)."""
+    from lib.provenance import file_sha256
+
+    return file_sha256(path)
+
+
+def contents(paths: tuple[Path, ...]) -> list[dict[str, str]]:
+    """What a stage starts from: for each path, the sha256 of each file (under a directory, by relative name)."""
+    found = []
+    for path in paths:
+        files = [file for file in (sorted(path.rglob("*")) if path.is_dir() else [path]) if file.is_file()]
+        found.append(
+            {str(f.relative_to(path)): sha256(f, f.stat().st_size, f.stat().st_mtime_ns) for f in files}
+        )
+    return found
+
+
+def run_stages(every: list[Stage], record: Path, label: str) -> list[Stage]:
+    """Runs the stages of `every` that are not done, or were made from other inputs than now, in order; returns
+    those it ran. `record` keeps {stage: its inputs' contents}; `label` names the pipeline in what it prints."""
+    made_from = json.loads(record.read_text()) if record.is_file() else {}
+
+    def is_done(stage: Stage) -> bool:
+        """Done, and made from what its inputs hold now (a stage an older run made, unrecorded, is trusted)."""
+        return stage.done() and made_from.setdefault(stage.name, contents(stage.inputs)) == contents(
+            stage.inputs
+        )
+
+    # A stage is judged when its turn comes, after the stages before it ran: they may change its inputs.
+    first = next((index for index, stage in enumerate(every) if not is_done(stage)), len(every))
+    if first == len(every):
+        print(f"{label} is finished: nothing to do, its results are below")
+    elif first:
+        print(f"going on with {label}: {', '.join(s.name for s in every[:first])} done already")
+
+    # A stage's inputs are recorded once it finished: one killed while redoing itself from new inputs still has
+    # the old inputs on record, and is redone next time (its old output is not trusted). A training stage also
+    # records what it started from, so that a rerun from other inputs does not resume a run made from the old.
+    started = made_from.setdefault(STARTED, {})
+
+    def remember(where: dict, name: str, inputs: list) -> None:
+        if where.get(name) != inputs:
+            where[name] = inputs
+            write_atomically(record, json.dumps(made_from, indent=1) + "\n")
+
+    ran = []
+    for stage in every[first:]:
+        if is_done(stage):
+            continue
+        inputs = contents(stage.inputs)
+        if stage.run_dir is not None:
+            if started.get(stage.name, made_from.get(stage.name, inputs)) != inputs:
+                from lib.checkpoint import set_aside
+
+                moved = set_aside(stage.run_dir)
+                print(
+                    f"{stage.name}: its inputs changed since it ran, so it starts over (the old run: {moved})"
+                )
+            remember(started, stage.name, inputs)
+        stage.run()
+        remember(made_from, stage.name, inputs)
+        ran.append(stage)
+    return ran
