@@ -99,13 +99,14 @@ def load_adapter(http: httpx.Client, url: str, directory: Path, name: str) -> No
 
 def refresh_tied_output_layer(http: httpx.Client, url: str) -> None:
     """After a reload of a tied model: vLLM's CPU build would go on scoring with the old output layer
-    (lib/vllm.py ServedWeights); the builtin engine and vLLM on GPUs have nothing to refresh."""
+    (lib/vllm_worker.py ServedWeights); the builtin engine and vLLM on GPUs have nothing to refresh."""
     try:
         post(http, url, "/collective_rpc", json={"method": "refresh_tied_output_layer"})
     except ValueError as error:
         raise UserError(
             f"{error}; a model whose output layer is its embedding needs vLLM started by scripts/serve.py "
-            "(or with --worker-extension-cls lib.vllm.ServedWeights), which refreshes that layer on reload"
+            "(or with --worker-extension-cls lib.vllm_worker.ServedWeights), which refreshes that layer on "
+            "reload"
         ) from None
 
 
@@ -131,7 +132,7 @@ def check_fingerprint(http: httpx.Client, url: str, source: str, written: dict[s
             raise
         raise UserError(
             f"{error}; checking what the server computes with needs the builtin engine or vLLM started by "
-            "scripts/serve.py (or with --worker-extension-cls lib.vllm.ServedWeights)"
+            "scripts/serve.py (or with --worker-extension-cls lib.vllm_worker.ServedWeights)"
         ) from None
     served = answer["results"][0]
     if "unsupported" in served:  # tensor-parallel vLLM engines: not covered (docs/server.md)
@@ -146,7 +147,7 @@ def check_fingerprint(http: httpx.Client, url: str, source: str, written: dict[s
 def check_serves(url: str, directory: Path, api_key: str | None) -> str:
     """What the server at `url` was found to compute with, against the Hugging Face directory `directory`
     (eval.py's -m), in words; a one-sentence UserError naming the first weight that differs. An endpoint that
-    cannot show its weights (not plainrl's builtin engine or vLLM with lib.vllm.ServedWeights), or a
+    cannot show its weights (not plainrl's builtin engine or vLLM with lib.vllm_worker.ServedWeights), or a
     directory without safetensors, is not checked, and the words say why."""
     root, directory = root_url(url), Path(directory)
     if not directory.is_dir():

@@ -3,7 +3,8 @@
 (lib/transfer.py) reaches each worker over gloo, loaded as vLLM's own engines load checkpoint-format weights.
 
 Imported only inside vLLM's processes: by its `vllm.general_plugins` entry point (pyproject.toml), and by
-lib/vllm.py when vLLM loads the worker extension, so a checkout that is not installed registers it too."""
+lib/vllm_worker.py when vLLM loads the worker extension, so a checkout that is not installed registers it
+too."""
 
 import dataclasses
 

@@ -440,8 +440,8 @@ def test_eval_stops_when_the_server_computes_with_other_weights_than_m(
 def test_eval_checks_what_a_vllm_server_computes_with(
     eval_script, vllm_server, trained_tiny, tmp_path, capsys
 ):
-    """vLLM shows the weights it computes with through plainrl's worker extension (lib/vllm.py), as the
-    builtin engine does: eval.py records them, or stops when they are not -m's."""
+    """vLLM shows the weights it computes with through plainrl's worker extension (lib/vllm_worker.py), as
+    the builtin engine does: eval.py records them, or stops when they are not -m's."""
     from lib.reload import check_serves
 
     served = check_serves(vllm_server.url, trained_tiny, None)

@@ -3,8 +3,8 @@
 
 One vLLM server (float32) serves the SFT output to eval.py and then to rl.py, which reloads it after each step.
 The model is tied like Qwen3-0.6B to 4B: vLLM's CPU build refreshes such an output layer only through
-lib/vllm.py's ServedWeights, and the weight fingerprint after each reload catches a server still on the old
-one. It runs without runtime LoRA, so it also shows what a LoRA run says to such a server.
+lib/vllm_worker.py's ServedWeights, and the weight fingerprint after each reload catches a server still on
+the old one. It runs without runtime LoRA, so it also shows what a LoRA run says to such a server.
 """
 
 import json
@@ -77,8 +77,8 @@ def test_a_tied_qwen3_goes_sft_eval_rl_through_vllm_with_the_qwen3_renderer(
         assert "answered /v1/load_lora_adapter with 404" in message and "--max-lora-rank 8" in message
         assert "\n" not in message
 
-        # The output layer left unrefreshed, as vLLM's CPU build leaves it without lib/vllm.py's repair: the
-        # SFT weights loaded over step 2's, the fingerprint finds it still on step 2's.
+        # The output layer left unrefreshed, as vLLM's CPU build leaves it without lib/vllm_worker.py's repair:
+        # the SFT weights loaded over step 2's, the fingerprint finds it still on step 2's.
         monkeypatch.setattr(reload, "refresh_tied_output_layer", lambda http, url: None)
         with pytest.raises(UserError, match=r"the first differing weight is lm_head\.weight \(sum"):
             reload.reload_weights([server.url], warmed, None, "sft")

@@ -8,7 +8,7 @@ from lib.vllm import VllmConfig, vllm_command, vllm_environment
 
 MODEL = "Qwen/Qwen3-4B"
 ENGINE_TAIL = ["--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", "--enable-scale-out"]
-ENGINE_TAIL += ["--max-logprobs", "20", "--worker-extension-cls", "lib.vllm.ServedWeights"]
+ENGINE_TAIL += ["--max-logprobs", "20", "--worker-extension-cls", "lib.vllm_worker.ServedWeights"]
 COMMON_TAIL = [*ENGINE_TAIL, "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]  # an API server's
 
 

@@ -150,8 +150,8 @@ def test_a_server_with_a_longer_context_is_asked_for_rollouts_that_fit_a_trainin
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_a_tied_model_has_its_output_layer_refreshed_after_each_reload(tied, tmp_path, monkeypatch):
-    """vLLM's CPU build keeps a packed copy of a tied output layer (lib/vllm.py ServedWeights); a server
-    without that method stops the run with one sentence that says how to start it."""
+    """vLLM's CPU build keeps a packed copy of a tied output layer (lib/vllm_worker.py ServedWeights); a
+    server without that method stops the run with one sentence that says how to start it."""
     import json
 
     import torch
@@ -189,7 +189,7 @@ def test_a_tied_model_has_its_output_layer_refreshed_after_each_reload(tied, tmp
         return
     with pytest.raises(UserError) as stopped:
         reload.reload_weights(["http://server:1/v1"], weights, None, "step_1")
-    assert "--worker-extension-cls lib.vllm.ServedWeights" in str(stopped.value) and "\n" not in str(
+    assert "--worker-extension-cls lib.vllm_worker.ServedWeights" in str(stopped.value) and "\n" not in str(
         stopped.value
     )
     order = [path if method is None else method for path, method in calls]

@@ -374,7 +374,8 @@ def test_vllms_own_nccl_engine_on_the_cpu_build_stops_the_run_naming_the_server(
 @pytest.mark.vllm
 def test_the_plugin_entry_point_registers_plainrls_engine_with_vllm(vllm_installed):
     """What vLLM's load_general_plugins runs in each of its processes, read from pyproject.toml (an editable
-    install made before the entry point existed does not list it, so lib/vllm.py registers it as well)."""
+    install made before the entry point existed does not list it, so lib/vllm_worker.py registers it as
+    well)."""
     import importlib
     import tomllib
 

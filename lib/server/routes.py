@@ -270,9 +270,10 @@ def build_app(
 
     @app.post("/collective_rpc")
     async def collective_rpc(body: RpcRequest):
-        if body.method == "refresh_tied_output_layer":  # vLLM's CPU build needs it (lib/vllm.py); a reload
-            return {"results": [False]}  # here rebuilds every layer
-        if body.method == "weight_fingerprint":  # as lib/vllm.py ServedWeights answers it
+        # vLLM's CPU build needs it (lib/vllm_worker.py); a reload here rebuilds every layer.
+        if body.method == "refresh_tied_output_layer":
+            return {"results": [False]}
+        if body.method == "weight_fingerprint":  # as lib/vllm_worker.py ServedWeights answers it
             served = await asyncio.to_thread(engine.weight_fingerprint)
             written = body.kwargs.get("written")
             if written is not None:
