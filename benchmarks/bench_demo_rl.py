@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 import demo  # noqa: E402  (scripts/demo.py: its stages' commands and evaluation)
 
-from lib.evaluation import paired_gain  # noqa: E402
+from lib.orchestrator.evaluation import paired_gain  # noqa: E402
 
 
 def main() -> None:

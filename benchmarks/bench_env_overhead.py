@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 async def run(vf_env, tasks, ctx, rollouts: int, concurrency: int) -> tuple[list, float, float]:
     """Warm-up rollouts, then the measured ones, in one serving session as a training run has it."""
-    from lib.envs import run_episode, serving
+    from lib.orchestrator.envs import run_episode, serving
 
     semaphore = asyncio.Semaphore(concurrency)
 
@@ -54,7 +54,7 @@ async def run(vf_env, tasks, ctx, rollouts: int, concurrency: int) -> tuple[list
 
 
 def measure(vf_env, tasks, ctx, rollouts: int, concurrency: int) -> dict:
-    from lib.envs import episode_error
+    from lib.orchestrator.envs import episode_error
 
     results, cpu, wall = asyncio.run(run(vf_env, tasks, ctx, rollouts, concurrency))
     overheads, model_times = [], []
@@ -86,10 +86,10 @@ def main() -> None:
     parser.add_argument("--clients", default="train,eval", help="comma-separated: train, eval")
     args = parser.parse_args()
 
-    from lib.envs import EnvConfig, load_env, load_tasks, model_context
-    from lib.inference import running_server
+    from lib.inference.launch import running_server
+    from lib.models.tiny import write_tiny
+    from lib.orchestrator.envs import EnvConfig, load_env, load_tasks, model_context
     from lib.sampling import SamplingConfig
-    from lib.tiny import write_tiny
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_env_overhead_"))
     atexit.register(shutil.rmtree, tmp, ignore_errors=True)

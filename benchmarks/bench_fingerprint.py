@@ -1,7 +1,7 @@
-"""What the weight fingerprint (lib/fingerprint.py) costs a sync, and how closely the two sides agree.
+"""What the weight fingerprint (lib/inference/weights/fingerprint.py) costs a sync, and how closely the two sides agree.
 
 Per shape, dtype and engine: a model written in that dtype, a server started on it in that dtype, then
-three rounds of what lib/sync.py does after a reload: the controller's fingerprint of the directory
+three rounds of what lib/inference/weights/sync.py does after a reload: the controller's fingerprint of the directory
 (of_directory, the files in the page cache as just written), and the server's (/collective_rpc
 weight_fingerprint, given the written one to compare, so the round trip and the comparison count). It
 prints the median seconds of each and the largest |served - written| over all weights, relative to the sum
@@ -29,14 +29,14 @@ def write_model(shape: str, dtype: str, out: Path) -> Path:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from lib.tiny import write_tiny
+        from lib.models.tiny import write_tiny
 
         source = write_tiny(out / "tiny-source")
         model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype))
         model.save_pretrained(out / f"tiny-{dtype}")
         AutoTokenizer.from_pretrained(source).save_pretrained(out / f"tiny-{dtype}")
         return out / f"tiny-{dtype}"
-    from lib.qwen import QwenConfig, write_qwen
+    from lib.models.qwen import QwenConfig, write_qwen
 
     return write_qwen(out / f"qwen-{shape}-{dtype}", QwenConfig(shape=shape, dtype=dtype))
 
@@ -44,10 +44,12 @@ def write_model(shape: str, dtype: str, out: Path) -> Path:
 def measure(model: Path, engine: str, dtype: str, rounds: int) -> dict:
     import httpx
 
-    from lib import endpoint, fingerprint, inference
+    from lib import endpoint
+    from lib.inference import launch
+    from lib.inference.weights import fingerprint
 
     extra = ["--model.dtype", dtype, "--max-model-len", "512", "--vllm.cpu-kv-cache-gib", "1"]
-    with inference.running_server(
+    with launch.running_server(
         str(model),
         engine=engine,
         weights_root=model.parent,
@@ -80,7 +82,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--shapes", nargs="+", default=["tiny", "test"], help="tiny, or a lib/qwen.py shape")
+    parser.add_argument(
+        "--shapes", nargs="+", default=["tiny", "test"], help="tiny, or a lib/models/qwen.py shape"
+    )
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--engines", nargs="+", default=["torch", "vllm"])
     parser.add_argument("--rounds", type=int, default=3)

@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_limits import DEFAULT_MODEL, bandwidth_gbs, matmul_gflops, threads  # noqa: E402
 from bench_serve import server_round  # noqa: E402
 
-from lib import inference  # noqa: E402
+from lib.inference import launch  # noqa: E402
 
 BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -221,7 +221,7 @@ def main() -> None:
             extra += ["--served-model-name", "policy"]
             log = ROOT / "outputs" / "logs" / f"bench-generation-{engine}-{dtype}.log"
             began = time.perf_counter()
-            with inference.running_server(
+            with launch.running_server(
                 args.model, engine=engine, extra_args=extra, log_path=log, threads=args.threads
             ) as server:
                 started = time.perf_counter() - began

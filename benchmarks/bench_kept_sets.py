@@ -4,9 +4,9 @@ and the on-policy bias of scoring without them.
 1. The builtin engine, started with --return-sampling-mask, samples --requests prompts at top_p 0.9 / top_k 20
    (temperature 1). Per sampled token: the kept set's size (mean, median, share of singletons), the bytes of
    the answer's `sampling_mask` on the wire (compact JSON, as both engines send it) and in the buffer
-   (lib/rollouts.py: int32 ids and an int32 count a token). The same tokens scored over the whole vocabulary
+   (lib/orchestrator/rollouts.py: int32 ids and an int32 count a token). The same tokens scored over the whole vocabulary
    give the importance ratio the trainer saw on-policy before kept sets: mean exp(logp_full - logp_kept).
-2. The trainer's side: one micro-batch's forward and backward through lib/head.py next_token_scores without
+2. The trainer's side: one micro-batch's forward and backward through lib/trainer/head.py next_token_scores without
    kept sets, with served ones and with recomputed ones (vLLM's CPU rules, a vocabulary sort a token),
    interleaved and repeated; medians and their ratios to the plain step. On a CPU shared with other work the
    seconds are noisy: read the ratios, which come from one run.
@@ -33,8 +33,9 @@ def sample(model: str, requests: int, max_tokens: int) -> list[tuple[list[int], 
     """(prompt ids, /inference/v1/generate choice) pairs from a builtin engine that returns kept sets."""
     import httpx
 
-    from lib import endpoint, inference
-    from lib.model import load_tokenizer
+    from lib import endpoint
+    from lib.inference import launch
+    from lib.models.load import load_tokenizer
 
     tokenizer = load_tokenizer(model)
     words = "reverse sort count the letters of plainrl hello world qwen tokens".split()
@@ -43,7 +44,7 @@ def sample(model: str, requests: int, max_tokens: int) -> list[tuple[list[int], 
     ]
     extra = ["--return-sampling-mask"]
     answers = []
-    with inference.running_server(
+    with launch.running_server(
         model, engine="torch", extra_args=extra, log_path=Path("/tmp/bench_kept_sets.log")
     ) as server:
         root = endpoint.root_url(server.url)
@@ -100,9 +101,10 @@ def step_times(model_name: str, rows: int, length: int, repeats: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from lib.head import KeptSets, next_token_scores
-    from lib.model import LoraConfig, ModelConfig, load_trainable
+    from lib.models.load import ModelConfig
     from lib.sampling import kept_mask
+    from lib.trainer.head import KeptSets, next_token_scores
+    from lib.trainer.trainable import LoraConfig, load_trainable
 
     model, _, autocast = load_trainable(
         ModelConfig(name=model_name, dtype="float32"), LoraConfig(), device="cpu", world_size=1, packing=False

@@ -4,7 +4,7 @@
   MLP weight gradient) on one thread and on the trainer's threads, and GB/s of a large copy and sum. The
   peak of a dtype is the best shape on one thread times the trainer's threads (the thread-count row shows
   how far the machine's other load lets that scale).
-- trainer: optimizer steps as sft.py and rl.py take them (lib/model.py load_trainable, lib/head.py's
+- trainer: optimizer steps as sft.py and rl.py take them (lib/models/load.py load_trainable, lib/trainer/head.py's
   chunked head; gpu_check.py's sft_loss and rl_loss) on one packed row of equal samples, full and LoRA,
   float32 and bf16 autocast (model.autocast off/on): tokens/s and MFU, model FLOPs/s over each peak.
   FLOPs: 6 x (the layers' linear weights) per token, plus 6 x the output layer per scored token, for
@@ -65,7 +65,7 @@ def threads(count: int):
 
 def shapes(config, tokens: int) -> dict[str, tuple[int, int, int]]:
     """(m, k, n) of the model's matmuls on `tokens` rows: forward projections, the output layer in chunks
-    of 1024 tokens (lib/head.py), and one weight gradient."""
+    of 1024 tokens (lib/trainer/head.py), and one weight gradient."""
     hidden, inner = config.hidden_size, config.intermediate_size
     head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
     return {
@@ -197,8 +197,9 @@ def packed_row(vocab_size: int, tokens: int, samples: int):
 def trainer_row(model_dir: str, kind: str, lora_rank: int, bf16: bool, args, peaks: dict) -> dict:
     from gpu_check import rl_loss, sft_loss
 
-    from lib.model import LoraConfig, ModelConfig, load_trainable
-    from lib.optim import OptimConfig, build_optimizer, optimizer_step
+    from lib.models.load import ModelConfig
+    from lib.trainer.optim import OptimConfig, build_optimizer, optimizer_step
+    from lib.trainer.trainable import LoraConfig, load_trainable
 
     config = ModelConfig(name=model_dir, device="cpu", autocast="on" if bf16 else "off")
     model, _, autocast = load_trainable(config, LoraConfig(rank=lora_rank), "cpu", 1, packing=True)
@@ -328,7 +329,7 @@ def main() -> None:
 
     from transformers import AutoConfig
 
-    from lib.model import cpu_has_bf16, cpu_name
+    from lib.models.load import cpu_has_bf16, cpu_name
 
     config = AutoConfig.from_pretrained(args.model).get_text_config()
 

@@ -37,10 +37,12 @@ def directory_bytes(path: Path) -> int:
 def real_shape(args, root: Path) -> None:
     import torch
 
-    from lib import inference, probing, reload
-    from lib.model import LoraConfig, ModelConfig, load_tokenizer, load_trainable
-    from lib.qwen import QwenConfig, write_qwen
-    from lib.weights import save_weights
+    from lib.inference import launch
+    from lib.inference.weights import probing, reload
+    from lib.models.load import ModelConfig, load_tokenizer
+    from lib.models.qwen import QwenConfig, write_qwen
+    from lib.trainer.servable import save_weights
+    from lib.trainer.trainable import LoraConfig, load_trainable
 
     began = time.perf_counter()
     base = write_qwen(root / "base", QwenConfig(shape=args.shape))
@@ -48,7 +50,7 @@ def real_shape(args, root: Path) -> None:
     extra = ["--model.dtype", "bfloat16", "--max-lora-rank", str(args.rank), "--max-model-len", "512"]
     extra += ["--vllm.cpu-kv-cache-gib", "1"]
     began = time.perf_counter()
-    with inference.running_server(
+    with launch.running_server(
         str(base), engine=args.engine, weights_root=root, log_path=root / "serve.log", extra_args=extra
     ) as server:
         print(f"{args.engine} server up in {time.perf_counter() - began:.0f} s", flush=True)
@@ -72,10 +74,10 @@ def real_shape(args, root: Path) -> None:
                 root / "run", index + 1, model, tokenizer, torch.bfloat16, 2, mode == "adapter"
             )
             written = time.perf_counter()
-            adapter = inference.ADAPTER_NAME if mode == "adapter" else None
+            adapter = launch.ADAPTER_NAME if mode == "adapter" else None
             reload.reload_weights([server.url], path, None, f"step_{index + 1}", "wait", adapter)
             loaded = time.perf_counter()
-            name = inference.ADAPTER_NAME if adapter else str(base)
+            name = launch.ADAPTER_NAME if adapter else str(base)
             probe = probing.probe(server.url, name, prompt, None)
             trainer = probing.trainer_logprobs(model, autocast, prompt, probe.completion_ids)
             difference = probing.compare(
@@ -105,7 +107,7 @@ def tiny_preset(args, root: Path) -> None:
     from conftest import load_script
 
     from lib.config import parse
-    from lib.tiny import write_tiny
+    from lib.models.tiny import write_tiny
 
     rl = load_script("rl")
     # The tests' SFT-warmed tiny model when there is one (groups with a spread of rewards, so steps train).

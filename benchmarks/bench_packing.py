@@ -86,9 +86,9 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from lib.config import parse
-    from lib.data import load_conversations, tokenize_all
-    from lib.envs import EnvConfig
-    from lib.tiny import write_tiny
+    from lib.models.tiny import write_tiny
+    from lib.orchestrator.data import load_conversations, tokenize_all
+    from lib.orchestrator.envs import EnvConfig
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_packing_"))
     atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # its checkpoints run to gigabytes

@@ -52,8 +52,8 @@ def main() -> None:
     args = parser.parse_args()
     from conftest import cached_sft
 
-    from lib import inference
-    from lib.tiny import write_tiny
+    from lib.inference import launch
+    from lib.models.tiny import write_tiny
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -65,7 +65,7 @@ def main() -> None:
         for engine in args.engines:
             # 1 GiB of KV cache for vLLM's CPU build (its default, 4, may not fit beside other work).
             extra = ["--model.dtype", "float32", "--max-model-len", "2048", "--vllm.cpu-kv-cache-gib", "1"]
-            with inference.running_server(
+            with launch.running_server(
                 str(model), engine=engine, weights_root=tmp, log_path=tmp / f"{engine}.log", extra_args=extra
             ) as server:
                 for repeat in range(args.repeats):

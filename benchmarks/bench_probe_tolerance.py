@@ -51,7 +51,7 @@ def reversal_chats(path: Path, count: int = 512) -> Path:
 def differences(server_url: str, model, tokenizer) -> dict[str, list[float]]:
     import torch
 
-    from lib import probing
+    from lib.inference.weights import probing
 
     bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
     fp32 = lambda: torch.autocast("cpu", enabled=False)  # noqa: E731
@@ -80,11 +80,12 @@ def main() -> None:
     from conftest import load_script
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lib import inference, reload
     from lib.config import parse
-    from lib.head import use_chunked_head
-    from lib.qwen import QwenConfig, write_qwen
-    from lib.weights import write_hf_dir
+    from lib.inference import launch
+    from lib.inference.weights import reload
+    from lib.models.qwen import QwenConfig, write_qwen
+    from lib.trainer.head import use_chunked_head
+    from lib.trainer.servable import write_hf_dir
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -111,7 +112,7 @@ def main() -> None:
             extra = ["--model.dtype", "bfloat16", "--max-model-len", "1024", "--vllm.cpu-kv-cache-gib", "1"]
             extra += ["--served-model-name", "policy", "--weights-root", str(root)]
             log = root / f"{engine}.log"
-            with inference.running_server(str(base), engine=engine, log_path=log, extra_args=extra) as server:
+            with launch.running_server(str(base), engine=engine, log_path=log, extra_args=extra) as server:
                 for label, model_dir in models.items():
                     reload.reload_weights([server.url], model_dir, None, label)
                     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -48,8 +48,9 @@ def child(args) -> None:
     """rl.py in this process, its sync phases timed; prints one JSON line per step."""
     from conftest import load_script
 
-    from lib import probing, reload, weights
     from lib.config import parse
+    from lib.inference.weights import probing, reload
+    from lib.trainer import servable
 
     syncs = [{}]  # one dict of phase seconds per weight sync: the run's start, then every step
     peaks, stop = {}, threading.Event()
@@ -69,7 +70,7 @@ def child(args) -> None:
 
         return call
 
-    save_weights = weights.save_weights
+    save_weights = servable.save_weights
 
     def save_and_start(*a, **k):
         began = time.perf_counter()
@@ -80,7 +81,7 @@ def child(args) -> None:
         syncs.append({"write_s": time.perf_counter() - began, "bytes": written, **step_peaks})
         return path
 
-    weights.save_weights = save_and_start
+    servable.save_weights = save_and_start
     phases = {"/pause": "pause_s", "/collective_rpc": "load_s"}
     reload.post = timed(lambda http, url, path, *r: phases.get(path.split("?")[0], "other_s"), reload.post)
     probing.probe = timed("probe_s", probing.probe)
@@ -117,13 +118,13 @@ def child(args) -> None:
 
 
 def rehearse(engine: str, pause_mode: str, model: Path, root: Path, args) -> tuple[list[dict], dict, float]:
-    from lib import inference
+    from lib.inference import launch
 
     extra = ["--model.dtype", "bfloat16", "--max-model-len", "2048", "--vllm.cpu-kv-cache-gib", "2"]
     extra += ["--weights-root", str(root)]
     began = time.perf_counter()
     log = root / f"{engine}-{pause_mode}.log"
-    with inference.running_server(str(model), engine=engine, log_path=log, extra_args=extra) as server:
+    with launch.running_server(str(model), engine=engine, log_path=log, extra_args=extra) as server:
         started = time.perf_counter() - began
         command = [sys.executable, __file__, "--child", "--model", str(model), "--url", server.url]
         command += [
@@ -167,7 +168,7 @@ def main() -> None:
     if args.child:
         return child(args)
 
-    from lib.qwen import QwenConfig, write_qwen
+    from lib.models.qwen import QwenConfig, write_qwen
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

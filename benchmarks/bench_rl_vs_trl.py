@@ -216,7 +216,7 @@ def drawn_prompts(run_dir: Path, steps: int, out: Path) -> Path:
             if record["task_id"] in seen:
                 continue
             seen.add(record["task_id"])
-            # rollout records show the prompt as "[system] ...\n[user] ..." (lib/envs.py)
+            # rollout records show the prompt as "[system] ...\n[user] ..." (lib/orchestrator/envs.py)
             system, _, user = record["prompt"].partition("\n[user] ")
             if not system.startswith("[system] ") or "\n[" in user:
                 sys.exit(f"{path}: a prompt other than one system and one user message: {record['prompt']!r}")
@@ -364,7 +364,7 @@ def main() -> None:
             runs.append((trl, plainrl))
     if args.skip_trl:
         return
-    from lib.model import cpu_name
+    from lib.models.load import cpu_name
 
     speedups = [trl["seconds_per_step"] / plainrl["seconds_per_step"] for trl, plainrl in runs]
     medians = [trl["seconds_per_step_median"] / plainrl["seconds_per_step_median"] for trl, plainrl in runs]

@@ -26,8 +26,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lib import endpoint, inference  # noqa: E402
-from lib.tiny import TinyConfig, write_tiny  # noqa: E402
+from lib import endpoint  # noqa: E402
+from lib.inference import launch  # noqa: E402
+from lib.models.tiny import TinyConfig, write_tiny  # noqa: E402
 
 MODELS = {
     "tiny": TinyConfig(),
@@ -109,7 +110,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from lib.model import load_tokenizer
+    from lib.models.load import load_tokenizer
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, max_tokens {args.max_tokens}")
     print(f"{'model':>6} {'params':>7} {'conc':>5} {'server tok/s':>13} {'generate tok/s':>15} {'ratio':>6}")
@@ -122,7 +123,7 @@ def main() -> None:
             params = sum(p.numel() for p in model.parameters())
             texts = [f"Reverse the text: {'plainrl ' * (1 + i % 6)}" for i in range(max(args.concurrency))]
             all_prompts = [tokenizer.encode(t) for t in texts]
-            with inference.running_server(
+            with launch.running_server(
                 str(model_dir),
                 engine="torch",
                 log_path=Path(tmp) / f"serve-{name}.log",

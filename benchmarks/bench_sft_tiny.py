@@ -3,8 +3,8 @@
 Trains the tiny model with scripts/sft.py's main() and configs/tiny/sft.toml, saving weights every
 --eval-every steps, then decodes held-out prompts greedily from each saved step and scores them like
 the reverse_text environment: SequenceMatcher ratio of the first <reversed_text> block (stripped)
-against the reversed text. Training data comes from lib.envs.sft_conversations (the reverse_text
-taskset's ideal answers) when lib.envs has it, else from this directory's generator (same prompt and
+against the reversed text. Training data comes from lib.orchestrator.envs.sft_conversations (the reverse_text
+taskset's ideal answers) when lib.orchestrator.envs has it, else from this directory's generator (same prompt and
 reply format, 10-40 characters of English-looking words) through a JSONL file; the held-out prompts
 use another seed.
 
@@ -69,10 +69,10 @@ def main() -> None:
 
     from bench_packing import load_sft, reverse_text_conversations, write_jsonl
 
-    import lib.envs
-    from lib.checkpoint import step_dirs, step_of
+    import lib.orchestrator.envs
     from lib.config import parse
-    from lib.tiny import write_tiny
+    from lib.models.tiny import write_tiny
+    from lib.trainer.checkpoint import step_dirs, step_of
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_sft_tiny_"))
     atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # its checkpoints run to gigabytes
@@ -87,14 +87,16 @@ def main() -> None:
         str(tmp / "run"),
     ]
     flags += ["--checkpoint-every", str(args.eval_every), "--keep-checkpoints", "1000"]
-    if hasattr(lib.envs, "sft_conversations"):
+    if hasattr(lib.orchestrator.envs, "sft_conversations"):
         cfg = parse(sft.Config, flags + args.sft_flags)
-        train = lib.envs.sft_conversations(cfg.data)
-        held_out = lib.envs.sft_conversations(
+        train = lib.orchestrator.envs.sft_conversations(cfg.data)
+        held_out = lib.orchestrator.envs.sft_conversations(
             dataclasses.replace(cfg.data, num_examples=args.num_eval, seed=12345)
         )
     else:
-        print("lib.envs has no sft_conversations yet: using benchmarks/bench_packing.py's generator")
+        print(
+            "lib.orchestrator.envs has no sft_conversations yet: using benchmarks/bench_packing.py's generator"
+        )
         count = parse(sft.Config, flags + args.sft_flags).data.num_examples
         train = reverse_text_conversations(count if count > 0 else 20000, 0, args.min_chars, args.max_chars)
         held_out = reverse_text_conversations(args.num_eval, 12345, args.min_chars, args.max_chars)

@@ -25,15 +25,15 @@ sys.path.insert(0, str(ROOT / "tests"))
 def run(engine: str, model: Path, out: Path, steps: int) -> dict:
     from conftest import load_script
 
-    from lib import inference
     from lib.config import parse
+    from lib.inference import launch
 
     rl = load_script("rl")
     args = ["@", str(ROOT / "configs/tiny/rl.toml"), "--model.name", str(model), "--output-dir", str(out)]
     args += ["--steps", str(steps), "--max-async-level", "0", "--inference.engine", engine]
     args += ["--sampling.max-tokens", "64", "--checkpoint-every", str(steps)]
     started = {}
-    start_server = inference.start_server
+    start_server = launch.start_server
 
     def timed_start(*a, **k):
         began = time.perf_counter()
@@ -41,11 +41,11 @@ def run(engine: str, model: Path, out: Path, steps: int) -> dict:
         started["seconds"] = time.perf_counter() - began
         return server
 
-    inference.start_server = timed_start
+    launch.start_server = timed_start
     try:
         history = rl.main(parse(rl.Config, args))["history"][1:]
     finally:
-        inference.start_server = start_server
+        launch.start_server = start_server
     rollouts = 8 * 8  # examples_per_step x rollouts_per_example of the preset
     return {
         "start_s": started["seconds"],
@@ -61,7 +61,7 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
-    from lib.tiny import write_tiny
+    from lib.models.tiny import write_tiny
 
     with tempfile.TemporaryDirectory() as tmp:
         model = write_tiny(Path(tmp) / "tiny")

@@ -1,4 +1,4 @@
-"""Peak memory of one training micro-batch at Qwen's 151,936-row vocabulary: full logits against lib/head.py's chunks.
+"""Peak memory of one training micro-batch at Qwen's 151,936-row vocabulary: full logits against lib/trainer/head.py's chunks.
 
 The model is the 2-layer Qwen3 test shape (hidden 256, random weights, float32 as the trainer keeps it).
 One micro-batch is a forward and a backward of rl.py's loss on N loss tokens (one packed row), either
@@ -31,9 +31,9 @@ def one_micro_batch(model_dir: str, tokens: int, chunked: bool, cap_gib: float) 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lib.attention import use_packed_attention
-    from lib.head import next_token_scores, use_chunked_head
-    from lib.loss import LossConfig, policy_loss, token_logp
+    from lib.models.attention import use_packed_attention
+    from lib.trainer.head import next_token_scores, use_chunked_head
+    from lib.trainer.loss import LossConfig, policy_loss, token_logp
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -73,7 +73,7 @@ def main() -> None:
         model_dir, tokens, mode = args.child
         return one_micro_batch(model_dir, int(tokens), mode == "chunked", args.cap_gib)
 
-    from lib.qwen import QwenConfig, write_qwen
+    from lib.models.qwen import QwenConfig, write_qwen
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_qwen(Path(tmp) / "qwen3-test", QwenConfig(shape="test", dtype="float32"))

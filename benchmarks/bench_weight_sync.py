@@ -1,4 +1,4 @@
-"""Weight sync from the disk against in memory (lib/transfer.py): seconds per sync, the trainer's blocked seconds
+"""Weight sync from the disk against in memory (lib/inference/weights/transfer.py): seconds per sync, the trainer's blocked seconds
 and the bytes written to the run directory, on one model served in bf16.
 
 Per round and path, what rl.py does after a step: disk = weights/step_N written (safetensors, atomic rename),
@@ -42,8 +42,9 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lib import inference, reload, transfer
-    from lib.weights import save_weights
+    from lib.inference import launch
+    from lib.inference.weights import reload, transfer
+    from lib.trainer.servable import save_weights
 
     dtype = torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.master_dtype))
@@ -54,7 +55,7 @@ def main() -> None:
         extra = ["--model.dtype", "bfloat16", "--max-model-len", "512", "--vllm.cpu-kv-cache-gib", "1"]
         extra += ["--vllm.weight-transfer-backend", transfer.GLOO]
         began = time.perf_counter()
-        with inference.running_server(
+        with launch.running_server(
             args.model,
             engine=args.engine,
             weights_root=run_dir,

@@ -7,16 +7,16 @@ temporary target (pip --no-index --no-deps) and the script runs again with PYTHO
 plainrl runs from the source tree on the machine's own torch (never `pip install .`: pyproject pins torch
 2.13). It stops at once, in one sentence, if that torch lacks an API plainrl calls (TORCH_APIS), and
 records any requirement the machine's packages do not meet. Then, on a Qwen3 shape with random weights
-and Qwen's tokenizer (lib/qwen.py, what scripts/qwen.py writes), in this order:
+and Qwen's tokenizer (lib/models/qwen.py, what scripts/qwen.py writes), in this order:
 
 - trainer_sft, trainer_rl: trainer only, fake data, at prime-rl's shapes: one row of 8k tokens with the
   SFT loss, one of 16k with rl.py's policy loss; float32 master weights under bf16 autocast, AdamW, no
   activation checkpointing (prime-rl's 0.6B rows recompute). Tokens/s, peak memory and MFU: torchtitan's
   FLOPs (prime-rl's), 6 x parameters + 12 x layers x heads x head_dim x sequence length per token, over
   the GPU's bf16 dense peak (989 TFLOP/s for an H100 SXM; PEAK_TFLOPS, or --peak-tflops);
-- varlen: lib/attention.py's packed attention under bf16 autocast takes the variable-length kernel (its
+- varlen: lib/models/attention.py's packed attention under bf16 autocast takes the variable-length kernel (its
   calls are counted, in the trainer rows too) and matches the per-sample SDPA loop within bf16 tolerance;
-- head: the chunked output layer (lib/head.py) against full logits: extra peak memory of one forward and
+- head: the chunked output layer (lib/trainer/head.py) against full logits: extra peak memory of one forward and
   backward at 4k and 16k loss tokens, and the largest logprob difference between the two;
 - sft: scripts/sft.py's main() for 20 steps at configs/reverse_text/sft.toml's shape (batch 32, micro 4,
   rows of 4096, packing) on the reverse_text taskset's offline samples: median tokens/s after step 1, MFU;
@@ -31,7 +31,7 @@ Every figure goes to OUT/gpu_check.json and a markdown table, OUT/gpu_check.md (
 section, so a run cut short keeps what it measured), and is printed. A section that fails is recorded
 under "errors" with its figures null, the others still run, and the exit status is 1. With --device cpu
 --shape test the same script runs on 2 CPU cores in under a minute, in make test (tests/test_gpu_check.py),
-on lib/qwen.py's 2-layer test shape narrowed to hidden 64 (PLANS; still Qwen's whole vocabulary and
+on lib/models/qwen.py's 2-layer test shape narrowed to hidden 64 (PLANS; still Qwen's whole vocabulary and
 tokenizer) with small batches: there the CUDA-only figures (CUDA_ONLY) are null.
 
 Usage:
@@ -76,12 +76,12 @@ SITE_VARIABLE = "PLAINRL_GPU_CHECK_SITE"  # set in the run on top of the install
 # fmt: off
 # What plainrl calls in torch that releases before the lock's 2.13 may lack: (module, name, keywords, caller).
 TORCH_APIS = [
-    ("torch.nn.attention.varlen", "varlen_attn", ("scale", "window_size"), "lib/attention.py"),
+    ("torch.nn.attention.varlen", "varlen_attn", ("scale", "window_size"), "lib/models/attention.py"),
     ("torch.distributed.fsdp", "fully_shard", ("mp_policy",), "lib/dist.py"),
     ("torch.distributed.fsdp", "MixedPrecisionPolicy", ("param_dtype", "reduce_dtype"), "lib/dist.py"),
     ("torch.distributed.checkpoint.state_dict", "StateDictOptions",
      ("full_state_dict", "cpu_offload", "ignore_frozen_params", "broadcast_from_rank0", "strict"), "lib/dist.py"),
-    ("torch", "get_autocast_dtype", (), "lib/head.py, lib/attention.py"),
+    ("torch", "get_autocast_dtype", (), "lib/trainer/head.py, lib/models/attention.py"),
 ]
 # bf16 dense peak TFLOP/s by device name, first match (torchtitan's and prime-rl's table).
 PEAK_TFLOPS = [("H100 NVL", 835), ("H100 PCIe", 756), ("H100", 989), ("H200", 989), ("H800", 989), ("A100", 312)]
@@ -99,7 +99,7 @@ PLANS = {
         "rl": {"examples-per-step": 8, "rollouts-per-example": 16, "sampling.max-tokens": 128, "seq-len": 4096},
     },
     "test": {
-        "overrides": '{"hidden_size": 64, "intermediate_size": 192}',  # lib/qwen.py's "test", narrowed
+        "overrides": '{"hidden_size": 64, "intermediate_size": 192}',  # lib/models/qwen.py's "test", narrowed
         "trainer_sft_tokens": 64, "trainer_rl_tokens": 128, "warmup_steps": 0, "timed_steps": 1,
         "varlen": (4, 32),
         "head_tokens": [32, 64],
@@ -312,7 +312,8 @@ def mfu(setup: Setup, flops_per_second: float) -> float | None:
 def trainable(setup: Setup, lora_rank: int = 0):
     """(model, autocast) as sft.py and rl.py train it: float32 master weights, bf16 autocast on CUDA,
     packed attention, chunked output layer."""
-    from lib.model import LoraConfig, ModelConfig, load_trainable
+    from lib.models.load import ModelConfig
+    from lib.trainer.trainable import LoraConfig, load_trainable
 
     model_config = ModelConfig(name=str(setup.model_dir), device=setup.device)
     model, _, autocast = load_trainable(
@@ -337,7 +338,7 @@ def sft_loss(model, autocast, ids, positions):
     """sft.py's loss on a row: every next token of a sample (not across samples) carries loss."""
     import torch.nn.functional as F
 
-    from lib.head import token_scores
+    from lib.trainer.head import token_scores
 
     keep = F.pad(positions[:, 1:] > 0, (0, 1))  # position t predicts t + 1 within the same sample
     with autocast():
@@ -349,8 +350,8 @@ def rl_loss(model, autocast, ids, positions, mask):
     """rl.py's default policy loss on a row, against inference logprobs a little off the trainer's."""
     import torch
 
-    from lib.head import next_token_scores
-    from lib.loss import LossConfig, policy_loss
+    from lib.trainer.head import next_token_scores
+    from lib.trainer.loss import LossConfig, policy_loss
 
     with autocast():
         logp, _ = next_token_scores(model, ids, positions, mask)
@@ -363,7 +364,7 @@ def rl_loss(model, autocast, ids, positions, mask):
 def train_steps(setup: Setup, model, loss_function, steps: int) -> tuple[float, float]:
     """Mean seconds of an optimizer step (loss, backward, AdamW) after the plan's warm-up steps, and the
     last loss."""
-    from lib.optim import OptimConfig, build_optimizer, optimizer_step
+    from lib.trainer.optim import OptimConfig, build_optimizer, optimizer_step
 
     optimizer, scheduler = build_optimizer(model.parameters(), OptimConfig(lr=1e-6), 1000)
     losses = []
@@ -379,8 +380,8 @@ def train_steps(setup: Setup, model, loss_function, steps: int) -> tuple[float, 
 
 @contextlib.contextmanager
 def counted_varlen_kernel():
-    """Counts lib.attention's calls for the variable-length kernel (one per attention layer it serves)."""
-    from lib import attention
+    """Counts lib.models.attention's calls for the variable-length kernel (one per attention layer it serves)."""
+    from lib.models import attention
 
     original, calls = attention.varlen_kernel, []
 
@@ -403,7 +404,7 @@ def section_model(setup: Setup) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lib.qwen import QwenConfig, write_qwen
+    from lib.models.qwen import QwenConfig, write_qwen
 
     began = time.perf_counter()
     write_qwen(setup.model_dir, QwenConfig(shape=setup.shape, overrides=setup.plan.get("overrides", "{}")))
@@ -444,7 +445,7 @@ def trainer_row(setup: Setup, kind: str) -> dict:
 def section_varlen(setup: Setup) -> dict:
     import torch
 
-    from lib import attention
+    from lib.models import attention
 
     samples, length = setup.plan["varlen"]
     c = setup.config
@@ -497,8 +498,8 @@ def section_varlen(setup: Setup) -> dict:
 def section_head(setup: Setup) -> dict:
     import torch
 
-    from lib.head import next_token_scores
-    from lib.loss import LossConfig, policy_loss, token_logp
+    from lib.trainer.head import next_token_scores
+    from lib.trainer.loss import LossConfig, policy_loss, token_logp
 
     model, autocast = trainable(setup)
     tokens = setup.plan["head_tokens"]
@@ -546,8 +547,8 @@ def section_sft(setup: Setup) -> dict:
     from conftest import load_script
 
     from lib.config import parse
-    from lib.data import load_conversations, tokenize_all
-    from lib.model import load_tokenizer
+    from lib.models.load import load_tokenizer
+    from lib.orchestrator.data import load_conversations, tokenize_all
 
     sft = load_script("sft")
     plan = setup.plan["sft"]
@@ -580,7 +581,7 @@ def section_fsdp2(setup: Setup) -> dict:
     from torch.distributed.tensor import DTensor
 
     from lib import dist
-    from lib.inference import free_port
+    from lib.inference.launch import free_port
 
     backend = "nccl" if setup.cuda else "gloo"
     torch_dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
@@ -625,8 +626,9 @@ def section_rl(setup: Setup) -> dict:
     import torch
     from conftest import load_script
 
-    from lib import packing, probing
     from lib.config import parse
+    from lib.inference.weights import probing
+    from lib.trainer import packing
 
     rl = load_script("rl")
     args = ["@", str(ROOT / "configs/reverse_text/rl.toml"), "--model.name", str(setup.model_dir)]

@@ -1,1 +1,1 @@
-"""plainrl's shared library: one module per noun."""
+"""plainrl's shared library: three rooms (orchestrator, trainer, inference), the models, and a flat ground."""

@@ -305,7 +305,7 @@ def _cli(config_class: type, flags: list[str], description: str | None):
 def resumed(config_class: type, config, saved: dict, presets: dict, rest: list[str], description: str | None):
     """The config a --resume continues with: the run's own (run_config) < the CLI flags. The `@` presets
     are left out, since make and SLURM jobs pass them again on every resume; where one differs from the
-    run's, one line on stderr (rank 0) says it was ignored. lib/checkpoint.py open_run says, records or
+    run's, one line on stderr (rank 0) says it was ignored. lib/trainer/checkpoint.py open_run says, records or
     refuses what the flags change."""
     run_dir = config.output_dir
     base = preset_to_flags(config_class, saved, source=f"{run_dir / rundir.CONFIG}")

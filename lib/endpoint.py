@@ -1,12 +1,14 @@
 """Running inference servers over HTTP: base URLs, the key header, /health, /v1/models, the pause watch."""
 
+import contextlib
 import functools
+import os
 import threading
 import time
 
 import httpx
 
-from lib.config import UserError
+from lib.config import KEY_VARIABLE, UserError
 
 # How often the controller checks a server's /health while it waits on it (rollouts, a reload).
 HEALTH_EVERY_S = 5.0
@@ -198,3 +200,19 @@ def key_refused(base_url: str, status: int) -> UserError:
 def root_url(base_url: str) -> str:
     """http://host:port/v1 -> http://host:port (where /health and the admin routes live)."""
     return base_url.rstrip("/").removesuffix("/v1")
+
+
+@contextlib.contextmanager
+def key_in_environment(api_key: str | None):
+    """$PLAINRL_API_KEY is `api_key` inside (verifiers' clients read a key from the environment only), and what
+    it was before after: a key left there would reach every server started later from this process."""
+    before = os.environ.get(KEY_VARIABLE)
+    if api_key:
+        os.environ[KEY_VARIABLE] = api_key
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(KEY_VARIABLE, None)
+        else:
+            os.environ[KEY_VARIABLE] = before

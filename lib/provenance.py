@@ -95,9 +95,8 @@ def write_provenance(run_dir: Path, servers: list[dict], api_key: str | None = N
 
 def model_directory(name: str) -> Path | None:
     """The directory model.name's weights are read from: the local directory, or a hub id's snapshot, from the
-    cache or downloaded now (where the hub is unreachable, lib/model.py check_hub has set HF_HUB_OFFLINE);
+    cache or downloaded now (where the hub is unreachable, lib/models/load.py check_hub has set HF_HUB_OFFLINE);
     None for a local path that does not exist."""
-    from lib.model import is_local
 
     if is_local(name):
         path = Path(name).expanduser()
@@ -147,3 +146,8 @@ def check_base(run_dir: Path, name: str, doing: str) -> None:
         f"{current['sha256'][:16]}), which the adapters were not trained for; put the run's base model back, or "
         "train a new run on this one."
     )
+
+
+def is_local(name: str) -> bool:
+    """Whether model.name names a local directory (there or not yet), not a hub id."""
+    return name.startswith((".", "/", "~")) or name.startswith("outputs") or Path(name).exists()

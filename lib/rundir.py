@@ -2,10 +2,12 @@
 
 import dataclasses
 import json
+import os
+import shutil
 import tomllib
 from pathlib import Path
 
-CONFIG = "config.toml"  # the resolved config the run started with (lib/checkpoint.py open_run)
+CONFIG = "config.toml"  # the resolved config the run started with (lib/trainer/checkpoint.py open_run)
 # The first line of every config.toml plainrl writes (lib/config.py write_config): anyone's folder may hold one.
 CONFIG_HEADER = "# plainrl's resolved config: `@` this file, with a new --output-dir, to repeat the run\n"
 RESUMES = "resumes.jsonl"  # a line per resume that changed the config: the changes, the config it took
@@ -15,11 +17,11 @@ TENSORBOARD = "tb"  # lib/log.py
 METRICS = "metrics.jsonl"  # lib/log.py
 WANDB = "wandb"  # wandb's own files: wandb.init(dir=run_dir) names the folder
 WANDB_ID = "wandb_id"  # lib/log.py: the wandb run a resume continues
-WEIGHTS = "weights"  # lib/weights.py
-CHECKPOINTS = "checkpoints"  # lib/checkpoint.py
+WEIGHTS = "weights"  # lib/trainer/servable.py
+CHECKPOINTS = "checkpoints"  # lib/trainer/checkpoint.py
 ROLLOUTS = "rollouts"  # rl.py
-EVAL = "eval"  # rl.py's evaluations during the run (lib/evaluation.py)
-SERVER_LOG = "server.log"  # the server rl.py started (lib/inference.py)
+EVAL = "eval"  # rl.py's evaluations during the run (lib/orchestrator/evaluation.py)
+SERVER_LOG = "server.log"  # the server rl.py started (lib/inference/launch.py)
 LOSS_CURVE = "loss_curve.png"  # sft.py
 REWARD_CURVE = "reward_curve.png"  # rl.py
 SLURM = "slurm"  # a SLURM job's script and logs (lib/slurm.py), written before the run starts
@@ -27,7 +29,7 @@ EXPORTED = "exported"  # checkpoints written as Hugging Face directories by scri
 # In each directory scripts/export.py writes (the checkpoint it came from): the only non-empty directory an
 # export may replace is an earlier export.
 EXPORT_RECORD = "export.json"
-RESTARTED = "restarted"  # earlier runs' outputs, set aside by a restart (lib/checkpoint.py set_aside)
+RESTARTED = "restarted"  # earlier runs' outputs, set aside by a restart (lib/trainer/checkpoint.py set_aside)
 
 # What a restart moves to restarted/<time>/, and nothing else the directory holds: the job that runs the
 # restart (slurm/) and earlier restarts stay; config.toml and base.json are copied there, then rewritten.
@@ -93,3 +95,23 @@ def is_run_dir(path: Path, config_class: type) -> bool:
         return False
     fields = {field.name for field in dataclasses.fields(config_class)}
     return text.startswith(CONFIG_HEADER) and {key.replace("-", "_") for key in table} <= fields
+
+
+def set_aside(run_dir: Path) -> Path | None:
+    """Moves what an earlier run wrote in run_dir (lib/py OUTPUTS), and copies of its config.toml and
+    base.json, to run_dir/restarted/<UTC time>; returns that directory, or None when there was nothing to move.
+    Nothing else in run_dir moves."""
+    import datetime
+
+    entries = [run_dir / name for name in OUTPUTS if os.path.lexists(run_dir / name)]
+    if not entries:
+        return None
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S.%fZ")
+    target = run_dir / RESTARTED / stamp
+    target.mkdir(parents=True)
+    for name in (CONFIG, BASE):
+        if (run_dir / name).is_file():
+            shutil.copy2(run_dir / name, target / name)
+    for entry in entries:
+        entry.rename(target / entry.name)
+    return target

@@ -22,7 +22,7 @@ class Stage:
     run: Callable[[], object]
     inputs: tuple[Path, ...] = ()
     run_dir: Path | None = None
-    """A training stage's: its run there is set aside (lib/checkpoint.py) when its inputs changed."""
+    """A training stage's: its run there is set aside (lib/trainer/checkpoint.py) when its inputs changed."""
 
 
 @functools.cache
@@ -79,7 +79,7 @@ def run_stages(every: list[Stage], record: Path, label: str) -> list[Stage]:
         inputs = contents(stage.inputs)
         if stage.run_dir is not None:
             if started.get(stage.name, made_from.get(stage.name, inputs)) != inputs:
-                from lib.checkpoint import set_aside
+                from lib.rundir import set_aside
 
                 moved = set_aside(stage.run_dir)
                 print(

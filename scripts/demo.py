@@ -50,7 +50,7 @@ from typing import Literal
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # finds lib/ outside the virtualenv too
 import lib.venv  # noqa: F401  (first: says which python to use when the dependencies are missing)
 from lib.config import UserError, parse, run_main, to_dict, write_config
-from lib.models import SMOLLM2_DIR
+from lib.models.smollm2 import SMOLLM2_DIR
 from lib.stages import Stage, run_stages
 from lib.venv import ROOT
 
@@ -209,8 +209,8 @@ class SharedServer:
 
     def serving(self, weights: Path) -> str:
         """The server's base URL, once it serves `weights` (reloaded unless it started on them)."""
-        from lib.inference import running_server
-        from lib.reload import reload_weights
+        from lib.inference.launch import running_server
+        from lib.inference.weights.reload import reload_weights
 
         if self.url is None:
             log = self.cfg.out / "server.log"
@@ -379,7 +379,7 @@ def main(cfg: Config) -> dict:
     )
     said = ", ".join(f"{name} {value:.3f}" for name, value in zip(stages_said, rewards))
     print(f"\n{said} -> after RL {rewards[-1]:.3f}{took}")
-    from lib.evaluation import paired_gain
+    from lib.orchestrator.evaluation import paired_gain
 
     dirs = evaluated_dirs(cfg)
     gains = [

@@ -12,7 +12,7 @@ When every episode fails, or a -b endpoint does not answer at all, the run ends 
 exit code 2 (summary.json, when written, has `"status": "failed"` and `"avg_reward": null`); so does a
 server that dies or freezes mid-run (its /health is checked every 5 s, as in rl.py's evaluations). A -b
 server answers to the name it was started with, whatever it loaded since: with -m a local directory, the
-weights it computes with are compared with -m's first (their fingerprints, lib/reload.py check_serves),
+weights it computes with are compared with -m's first (their fingerprints, lib/inference/weights/reload.py check_serves),
 and a difference stops the run in one sentence before any episode (--reload-weights loads -m into the
 server instead); summary.json's `served_weights` says what was compared, or why it could not be (a
 hosted API, a hub id).
@@ -42,10 +42,10 @@ import tyro
 
 from lib.config import UserError, fail, given_api_key, parse, run_main, write_config
 from lib.endpoint import check_base_url, check_reachable
-from lib.envs import json_object
-from lib.evaluation import pass_at_k, run_all, summarize  # noqa: F401 (pass_at_k: eval.pass_at_k for users)
 from lib.log import WandbConfig
-from lib.model import ModelConfig
+from lib.models.load import ModelConfig
+from lib.orchestrator.envs import json_object
+from lib.orchestrator.evaluation import pass_at_k, run_all, summarize  # noqa: F401 (pass_at_k: eval.pass_at_k for users)
 from lib.sampling import SamplingConfig
 
 
@@ -108,15 +108,15 @@ def main(cfg: Config) -> dict:
     from rich.text import Text
 
     from lib.config import to_dict
-    from lib.endpoint import PauseWatch, is_healthy, unless_paused
-    from lib.envs import EnvConfig, episode_reward, key_in_environment, load_env, load_tasks, model_context
-    from lib.evaluation import while_healthy
-    from lib.inference import running_server
+    from lib.endpoint import PauseWatch, is_healthy, key_in_environment, unless_paused
+    from lib.inference.launch import running_server
+    from lib.inference.weights.reload import check_serves, reload_weights
     from lib.log import wandb_eval
-    from lib.model import check_model_name
+    from lib.models.load import check_model_name
+    from lib.orchestrator.envs import EnvConfig, episode_reward, load_env, load_tasks, model_context
+    from lib.orchestrator.evaluation import while_healthy
+    from lib.orchestrator.tasks import check_env_ids
     from lib.provenance import write_provenance
-    from lib.reload import check_serves, reload_weights
-    from lib.tasks import check_env_ids
 
     console = Console()
     api_key = given_api_key(cfg.api_key)

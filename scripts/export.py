@@ -45,10 +45,11 @@ def main(cfg: Config) -> Path:
     import torch
 
     from lib import dist, rundir
-    from lib.checkpoint import atomic_dir, damage
-    from lib.model import LoraConfig, ModelConfig, check_model_name, load_tokenizer, load_trainable
+    from lib.models.load import ModelConfig, check_model_name, load_tokenizer
     from lib.provenance import check_base
-    from lib.weights import lora_scales, merge_lora, write_hf_dir
+    from lib.trainer.checkpoint import atomic_dir, damage
+    from lib.trainer.servable import lora_scales, merge_lora, write_hf_dir
+    from lib.trainer.trainable import LoraConfig, load_trainable
 
     checkpoint = cfg.checkpoint.expanduser()
     run_dir = checkpoint.parent.parent

@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # finds lib/ outside the virtualenv too
 import lib.venv  # noqa: F401  (first: says which python to use when the dependencies are missing)
 from lib.config import parse
-from lib.qwen import QwenConfig
+from lib.models.qwen import QwenConfig
 
 
 @dataclasses.dataclass
@@ -33,7 +33,7 @@ class Config:
 
 
 def main(cfg: Config) -> Path:
-    from lib.qwen import write_qwen
+    from lib.models.qwen import write_qwen
 
     out = cfg.out or Path(f"outputs/models/qwen3-{cfg.qwen.shape.lower()}")
     print(f"run dir: {out}")

@@ -1,7 +1,7 @@
 """The single controller: async GRPO-style RL against verifiers environments, with live weight sync.
 
 Starts (or attaches to) inference servers, keeps groups of rollouts in flight, computes group-relative
-advantages, trains with an importance-sampled policy loss (lib/loss.py, --loss.*), pushes new weights to
+advantages, trains with an importance-sampled policy loss (lib/trainer/loss.py, --loss.*), pushes new weights to
 every server each step, logs to tensorboard (and wandb) and checkpoints for exact resume.
 
 Where it departs from the textbook, on purpose:
@@ -10,7 +10,7 @@ Where it departs from the textbook, on purpose:
 2. One optimizer step per batch, and no recomputed "old" logprobs: the ratio is against the inference
    policy itself, so it also absorbs any trainer/server mismatch.
 3. Default loss dppo (a probability-difference mask and a squared log-ratio pull), not PPO's clip
-   (--loss.variant ppo, cispo, reinforce; GSPO's sequence ratio, mismatch correction: lib/loss.py).
+   (--loss.variant ppo, cispo, reinforce; GSPO's sequence ratio, mismatch correction: lib/trainer/loss.py).
 4. Advantages are reward minus the group mean, not divided by the std (Dr. GRPO; --advantage.*: RLOO, std
    by group or step); flat groups train on nothing, and --filter-flat-groups replaces them with new draws.
 5. The loss is a token mean over the whole step (all micro-batches and ranks); --loss.aggregation takes
@@ -22,11 +22,11 @@ Where it departs from the textbook, on purpose:
    full vocabulary the ratio was biased (0.90 on-policy at top_p 0.9). top_p alone samples with top_k 512,
    a bound on the kept sets; a token outside its recomputed set is left out of the loss (train/outside_kept_set).
 8. No dropout: LoRA's is refused, the model's switched off, so tokens score as the servers sampled them.
-9. At max_async_level >= 1 the servers reload step N's weights while step N+1 trains (lib/sync.py
+9. At max_async_level >= 1 the servers reload step N's weights while step N+1 trains (lib/inference/weights/sync.py
    Reloader); the logprob probe, which needs the trainer's live weights, runs at the start only.
 
-With --eval.every N, held-out tasks are evaluated as eval.py does (lib/evaluation.py); env.mix draws
-several environments by ratio (lib/mixture.py). Runs write provenance.json, base.json and reward_curve.png too.
+With --eval.every N, held-out tasks are evaluated as eval.py does (lib/orchestrator/evaluation.py); env.mix draws
+several environments by ratio (lib/orchestrator/mixture.py). Runs write provenance.json, base.json and reward_curve.png too.
 
 Usage:
     python scripts/rl.py @ configs/tiny/rl.toml                                     # CPU
@@ -44,15 +44,16 @@ from typing import Literal
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # finds lib/ outside the virtualenv too
 import lib.venv  # noqa: F401  (first: says which python to use when the dependencies are missing)
 from lib.config import StopAfterStep, UserError, parse, run_main
-from lib.envs import EnvConfig
-from lib.evaluation import EvalConfig
-from lib.inference import InferenceConfig
+from lib.inference.launch import InferenceConfig
 from lib.log import WandbConfig
-from lib.loss import LossConfig
-from lib.model import LoraConfig, ModelConfig
-from lib.optim import OptimConfig
-from lib.rollouts import AdvantageConfig
+from lib.models.load import ModelConfig
+from lib.orchestrator.envs import EnvConfig
+from lib.orchestrator.evaluation import EvalConfig
+from lib.orchestrator.rollouts import AdvantageConfig
 from lib.sampling import SamplingConfig, bounded
+from lib.trainer.loss import LossConfig
+from lib.trainer.optim import OptimConfig
+from lib.trainer.trainable import LoraConfig
 
 
 @dataclasses.dataclass
@@ -60,13 +61,13 @@ class Config:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     """The policy to train (usually an SFT run's weights/step_N)."""
     env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
-    """The environment (env.mix: more of them, drawn by ratio; lib/mixture.py)."""
+    """The environment (env.mix: more of them, drawn by ratio; lib/orchestrator/mixture.py)."""
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
     """Rollout sampling."""
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     """Policy loss."""
     advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
-    """Advantages: the baseline and the std normalisation (lib/rollouts.py)."""
+    """Advantages: the baseline and the std normalisation (lib/orchestrator/rollouts.py)."""
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     """AdamW and schedule."""
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
@@ -83,7 +84,7 @@ class Config:
     """Prompts per step; each gets rollouts_per_example episodes."""
     rollouts_per_example: int = 16
     """Group size for the group-relative advantage."""
-    # 8 x 4096 = 32k tokens a forward. The output layer runs in 1024-token chunks (lib/head.py: ~2 GB at
+    # 8 x 4096 = 32k tokens a forward. The output layer runs in 1024-token chunks (lib/trainer/head.py: ~2 GB at
     # Qwen's 151,936-row vocabulary whatever the rows, + a float32 (V, H) gradient buffer when it trains:
     # 0.58 GiB at hidden 1024, 1.45 GiB at 2560, none under LoRA; full float32 logits were ~4 x 0.6 GB per
     # 1k tokens, ~80 GB here), so activations bound it: ~1 MB a token at Qwen3-0.6B in bf16, 31 GB (the 4B
@@ -99,7 +100,7 @@ class Config:
     short rollouts of similar length on CPU (one attention call per micro-batch, not one per rollout)."""
     share_prompts: Literal["auto", "on", "off"] = "auto"
     """Hold each group's prompt once in its packed row, its rollouts as branches attending to it and to
-    themselves (lib/packing.py shared_prompts): the same logprobs and gradients from fewer tokens. Needs
+    themselves (lib/trainer/packing.py shared_prompts): the same logprobs and gradients from fewer tokens. Needs
     packing and sdpa. auto: on on a CPU; on CUDA rows with branches leave the variable-length kernel for
     the per-sample loop, so it is on only when asked."""
     max_async_level: int = 1
@@ -112,7 +113,7 @@ class Config:
     when rl.py starts a server that can, else recomputed."""
     filter_flat_groups: bool = False
     """Replace each group whose rewards are all equal by a new one (bounded per step, rollouts/resampled):
-    steps train on groups with signal, at the cost of the replaced groups' sampling time (lib/producer.py)."""
+    steps train on groups with signal, at the cost of the replaced groups' sampling time (lib/orchestrator/producer.py)."""
     output_dir: Path = Path("outputs/rl")
     """Run directory: config.toml, tb/, weights/, checkpoints/, rollouts/."""
     checkpoint_every: int = 10
@@ -159,7 +160,7 @@ class Config:
             raise UserError("peer_timeout must be a positive number of seconds.")
         if self.share_prompts == "on" and not (self.packing and self.model.attn_implementation == "sdpa"):
             raise UserError(
-                "share_prompts on needs packing and model.attn_implementation sdpa (lib/packing.py)."
+                "share_prompts on needs packing and model.attn_implementation sdpa (lib/trainer/packing.py)."
             )
 
 
@@ -171,22 +172,26 @@ def main(cfg: Config) -> dict:
 
     import torch
 
-    from lib import dist, envs, inference, rundir, sync
-    from lib.checkpoint import drop_newer, load_checkpoint, open_run, save_checkpoint, step_of
+    from lib import dist, rundir
     from lib.config import to_dict
-    from lib.head import Reference, micro_batch_kept_sets
+    from lib.inference import launch
+    from lib.inference.weights import sync
     from lib.log import RunLog, rl_line, say
-    from lib.loss import loss_function
-    from lib.mixture import load_mixture
-    from lib.model import check_model_name, load_tokenizer, load_trainable, resolve_device
-    from lib.optim import build_optimizer, optimizer_step
-    from lib.packing import rank_shares
+    from lib.models.load import check_model_name, load_tokenizer, resolve_device
+    from lib.orchestrator import envs
+    from lib.orchestrator.mixture import load_mixture
+    from lib.orchestrator.producer import Producer
+    from lib.orchestrator.rollouts import write_records
+    from lib.orchestrator.tasks import check_env_ids
     from lib.plot import eval_points, plot_curve
-    from lib.producer import Producer
-    from lib.rollouts import write_records
-    from lib.tasks import check_env_ids
-    from lib.train import train_micro_batch
-    from lib.weights import servable
+    from lib.trainer.checkpoint import drop_newer, load_checkpoint, open_run, save_checkpoint, step_of
+    from lib.trainer.head import Reference, micro_batch_kept_sets
+    from lib.trainer.loss import loss_function
+    from lib.trainer.optim import build_optimizer, optimizer_step
+    from lib.trainer.packing import rank_shares
+    from lib.trainer.servable import servable
+    from lib.trainer.train import train_micro_batch
+    from lib.trainer.trainable import load_trainable
 
     # ------------------------------------------------------------ config and run directory
     rank, _, world_size = dist.world()
@@ -194,8 +199,8 @@ def main(cfg: Config) -> dict:
     check_model_name(cfg.model.name)
     check_env_ids(cfg.env, examples_per_step=cfg.examples_per_step)  # before any run directory or server
     # LoRA: the adapter's name on the servers, None where they load the merged model.
-    adapter = inference.ADAPTER_NAME if cfg.lora.rank and cfg.inference.lora_sync == "adapter" else None
-    cfg.inference.weight_sync = inference.weight_sync_mode(cfg, resolve_device(cfg.model), bool(adapter))
+    adapter = launch.ADAPTER_NAME if cfg.lora.rank and cfg.inference.lora_sync == "adapter" else None
+    cfg.inference.weight_sync = sync.weight_sync_mode(cfg, resolve_device(cfg.model), bool(adapter))
     run_dir = cfg.output_dir
     # Every rank joins first: rank 0 alone claims the run directory, the others take its answer (open_run).
     device = dist.init(resolve_device(cfg.model), cfg.peer_timeout)
@@ -224,8 +229,10 @@ def main(cfg: Config) -> dict:
             module.p = 0.0
     tokenizer = load_tokenizer(cfg.model.name)
     optimizer, scheduler = build_optimizer(model.parameters(), cfg.optim, cfg.steps)
-    compute_loss = loss_function(cfg.loss)  # lib/loss.py's policy_loss, or the one loss.import_path names
-    # loss.kl_coef's reference (lib/head.py Reference): loaded from model.name, never from a checkpoint, so a
+    compute_loss = loss_function(
+        cfg.loss
+    )  # lib/trainer/loss.py's policy_loss, or the one loss.import_path names
+    # loss.kl_coef's reference (lib/trainer/head.py Reference): loaded from model.name, never from a checkpoint, so a
     # resumed run compares with the same reference. Memory: the configs' comments.
     frozen = None
     if cfg.loss.kl_coef and not cfg.lora.rank:
@@ -237,9 +244,9 @@ def main(cfg: Config) -> dict:
     shared = cfg.packing and cfg.model.attn_implementation == "sdpa" and device.startswith("cpu")
     share_prompts = cfg.share_prompts == "on" or (cfg.share_prompts == "auto" and shared)
     # Inference logprobs are of the tempered distribution, the one sampled from, over each sampled token's
-    # kept set when top-k/top-p filter it (lib/head.py KeptSets).
+    # kept set when top-k/top-p filter it (lib/trainer/head.py KeptSets).
     temperature, sampling = cfg.sampling.temperature, bounded(cfg.sampling)
-    kept_set = inference.kept_set_mode(cfg, device)
+    kept_set = launch.kept_set_mode(cfg, device)
 
     start, progress = 0, {}
     if cfg.resume and resume_from:

@@ -1,9 +1,9 @@
 """Serves a model over vLLM's HTTP dialect, and takes new weights while it runs.
 
 Two engines behind the same routes: vLLM on GPUs, and plainrl's builtin PyTorch engine for CPUs,
-laptops and tests (the package lib/server/: engine.py, decode.py, protocol.py, routes.py). `--engine
+laptops and tests (the package lib/inference/server/: engine.py, decode.py, protocol.py, routes.py). `--engine
 auto` picks vLLM when it is installed and a GPU is visible, else the builtin engine, and logs which.
-With vLLM this process becomes `vllm serve` (lib/vllm.py lists its flags); the builtin engine is
+With vLLM this process becomes `vllm serve` (lib/inference/vllm.py lists its flags); the builtin engine is
 served by uvicorn.
 
 Both bind 127.0.0.1 unless --host says otherwise, and take $PLAINRL_API_KEY (or `--api-key`). New weights:
@@ -35,8 +35,8 @@ from typing import Literal
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # finds lib/ outside the virtualenv too
 import lib.venv  # noqa: F401  (first: says which python to use when the dependencies are missing)
 from lib.config import UserError, given_api_key, parse, run_main
-from lib.model import ModelConfig
-from lib.vllm import VllmConfig
+from lib.inference.vllm import VllmConfig
+from lib.models.load import ModelConfig
 
 
 @dataclasses.dataclass
@@ -100,10 +100,10 @@ def choose_engine(requested: str) -> tuple[str, str]:
 
 
 def serving_dtype(model: ModelConfig) -> str:
-    """model.dtype, with auto resolved as the trainer resolves it (lib/model.py runs_in_dtype)."""
+    """model.dtype, with auto resolved as the trainer resolves it (lib/models/load.py runs_in_dtype)."""
     from transformers import AutoConfig
 
-    from lib.model import resolve_device, runs_in_dtype
+    from lib.models.load import resolve_device, runs_in_dtype
 
     device = resolve_device(model)
     if model.dtype != "auto" or device.startswith("cuda"):
@@ -130,7 +130,7 @@ def main(cfg: Config) -> None:
     import logging
     import shlex
 
-    from lib.model import check_model_name
+    from lib.models.load import check_model_name
 
     # ------------------------------------------------------------ config
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -142,7 +142,7 @@ def main(cfg: Config) -> None:
         log.warning(warning)
     engine, reason = choose_engine(cfg.engine)
     log.info("engine: %s (%s)", engine, reason)
-    # One rule for both engines and the trainer (lib/model.py runs_in_dtype): vLLM's own auto would pick
+    # One rule for both engines and the trainer (lib/models/load.py runs_in_dtype): vLLM's own auto would pick
     # for itself, and the two must compare in one dtype.
     dtype = serving_dtype(cfg.model)
     log.info("dtype: %s (--model.dtype %s)", dtype, cfg.model.dtype)
@@ -151,7 +151,7 @@ def main(cfg: Config) -> None:
     if engine == "vllm":
         import torch
 
-        from lib.vllm import exec_vllm, vllm_command, vllm_environment
+        from lib.inference.vllm import exec_vllm, vllm_command, vllm_environment
 
         if cfg.return_sampling_mask and not torch.cuda.is_available():
             raise UserError(
@@ -163,7 +163,7 @@ def main(cfg: Config) -> None:
         if not torch.cuda.is_available():  # the CPU build: memory for this model, not 90% of RAM
             import psutil
 
-            from lib.vllm import cpu_kv_cache
+            from lib.inference.vllm import cpu_kv_cache
 
             free = psutil.virtual_memory().available
             kv_cache_bytes, plan = cpu_kv_cache(
@@ -195,8 +195,8 @@ def main(cfg: Config) -> None:
     # ------------------------------------------------------------ builtin engine
     import uvicorn
 
-    from lib.server.engine import Engine
-    from lib.server.routes import build_app
+    from lib.inference.server.engine import Engine
+    from lib.inference.server.routes import build_app
 
     served = dataclasses.replace(cfg.model, dtype=dtype)
     engine = Engine(served, cfg.max_batch_size, cfg.max_model_len, cfg.seed)

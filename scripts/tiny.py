@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # finds lib/ outside the virtualenv too
 import lib.venv  # noqa: F401  (first: says which python to use when the dependencies are missing)
 from lib.config import parse
-from lib.tiny import TinyConfig
+from lib.models.tiny import TinyConfig
 
 
 @dataclasses.dataclass
@@ -28,7 +28,7 @@ class Config:
 
 
 def main(cfg: Config) -> Path:
-    from lib.tiny import write_tiny
+    from lib.models.tiny import write_tiny
 
     print(f"run dir: {cfg.out}")
     start = time.perf_counter()

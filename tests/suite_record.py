@@ -34,7 +34,7 @@ def kinds(argv: list[str]) -> set[str]:
     line, found = " ".join(argv), set()
     script = next((Path(arg).name for arg in argv[1:3] if arg.startswith(str(ROOT / "scripts"))), None)
     script = script or next((arg for arg in argv[1:3] if arg.startswith("scripts/")), None)
-    if "lib.vllm" in argv or "vllm.entrypoints" in line or (argv[:2] and argv[1:2] == ["serve"]):
+    if "lib.inference.vllm" in argv or "vllm.entrypoints" in line or (argv[:2] and argv[1:2] == ["serve"]):
         found.add("vllm")
     elif script and script.endswith("serve.py"):
         found.add("vllm" if "--engine vllm" in line or "--engine=vllm" in line else "builtin")

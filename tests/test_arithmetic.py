@@ -5,7 +5,7 @@ import asyncio
 import plainrl_arithmetic as arith
 import pytest
 
-from lib.tasks import EnvConfig, sft_conversations
+from lib.orchestrator.tasks import EnvConfig, sft_conversations
 
 
 def test_the_answer_is_the_tagged_integer_else_the_last_one_written():

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from lib.checkpoint import (
+from lib.trainer.checkpoint import (
     atomic_dir,
     drop_newer,
     latest,
@@ -16,7 +16,7 @@ from lib.checkpoint import (
     save_checkpoint,
     step_dirs,
 )
-from lib.weights import merge_lora, save_weights
+from lib.trainer.servable import merge_lora, save_weights
 
 
 def test_atomic_dir_appears_whole_or_not_at_all(tmp_path):

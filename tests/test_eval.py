@@ -10,8 +10,8 @@ from conftest import load_script
 from oracle import oracle_app, serve
 
 from lib.config import parse, run_main
-from lib.envs import EnvConfig, sft_conversations
-from lib.inference import free_port
+from lib.inference.launch import free_port
+from lib.orchestrator.envs import EnvConfig, sft_conversations
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SYNTHETIC = '{"source": "synthetic"}'
@@ -116,14 +116,14 @@ def test_the_server_start_line_names_its_engine_and_stays_on_one_line(
 ):
     import contextlib
 
-    import lib.inference
+    import lib.inference.launch
 
     @contextlib.contextmanager
     def not_started(*args, **kwargs):
         raise RuntimeError("the inference server was not started in this test")
         yield
 
-    monkeypatch.setattr(lib.inference, "running_server", not_started)
+    monkeypatch.setattr(lib.inference.launch, "running_server", not_started)
     # Longer than the 80 columns of a console whose output is no terminal.
     out = tmp_path / ("a-long-directory-name-" * 4)
     argv = ["reverse_text", "-m", str(tiny_dir), "--engine", "vllm", "-n", "1", "--env-args", SYNTHETIC]
@@ -141,9 +141,9 @@ def test_an_interrupted_eval_keeps_the_groups_that_finished(request, eval_script
     import signal
     import time
 
-    import lib.envs
+    import lib.orchestrator.envs
 
-    run_group, started, finished = lib.envs.run_group, [], []
+    run_group, started, finished = lib.orchestrator.envs.run_group, [], []
 
     async def interrupted_after_three_groups(*args, **kwargs):
         started.append(1)
@@ -160,7 +160,7 @@ def test_an_interrupted_eval_keeps_the_groups_that_finished(request, eval_script
             signal.raise_signal(signal.SIGINT)
         await asyncio.Event().wait()  # the others never finish
 
-    monkeypatch.setattr(lib.envs, "run_group", interrupted_after_three_groups)
+    monkeypatch.setattr(lib.orchestrator.envs, "run_group", interrupted_after_three_groups)
     # Ctrl-C raises KeyboardInterrupt here, whatever handler an earlier in-process test left installed.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
@@ -202,7 +202,7 @@ def test_eval_scores_an_environment_from_one_python_file(eval_script, tmp_path, 
 @pytest.mark.slow
 def test_eval_against_the_builtin_server_on_the_tiny_model(eval_script, tiny_dir, tmp_path, capsys):
     """Without -b, eval.py starts scripts/serve.py itself (and stops it); then both environments against one server."""
-    from lib.inference import running_server
+    from lib.inference.launch import running_server
 
     argv = f"reverse_text -m {tiny_dir} -n 2 -r 2 --max-tokens 8".split() + ["--env-args", SYNTHETIC]
     summary, records, _ = evaluate(eval_script, argv, tmp_path / "own", capsys)
@@ -219,7 +219,7 @@ def test_eval_against_the_builtin_server_on_the_tiny_model(eval_script, tiny_dir
 
 
 def test_start_server_reports_a_server_that_dies(tmp_path):
-    from lib.inference import start_server
+    from lib.inference.launch import start_server
 
     with pytest.raises(RuntimeError, match="exited with code"):
         start_server(str(tmp_path / "no_model_here"), engine="torch", log_path=tmp_path / "server.log")
@@ -267,8 +267,8 @@ def test_held_out_tasks_of_an_upstream_taskset_are_kept_apart_by_idx(monkeypatch
     (before, every id was None and rl.py's --eval.every refused them as not unique)."""
     from types import SimpleNamespace
 
-    from lib.envs import load_env, load_tasks
-    from lib.evaluation import split_held_out
+    from lib.orchestrator.envs import load_env, load_tasks
+    from lib.orchestrator.evaluation import split_held_out
 
     monkeypatch.syspath_prepend(str(FIXTURES))
     env = EnvConfig(id="upstream_taskset", num_examples=6)  # endless, bounded to 6
@@ -289,7 +289,7 @@ def test_eval_with_a_wrong_or_missing_api_key_stops_before_any_episode(
     eval_script, key, tmp_path, capsys, monkeypatch
 ):
     """A server that refuses the key would fail every episode; eval.py says so first and makes no run dir."""
-    from lib.server.routes import RequireKey
+    from lib.inference.server.routes import RequireKey
 
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     if key is None:
@@ -324,10 +324,10 @@ def test_eval_ends_in_one_sentence_when_its_server_freezes(
     import threading
     import time
 
-    import lib.inference
+    import lib.inference.launch
 
     monkeypatch.delenv("PLAINRL_API_KEY", raising=False)
-    servers, start = [], lib.inference.running_server
+    servers, start = [], lib.inference.launch.running_server
 
     @contextlib.contextmanager
     def recorded(*args, **kwargs):
@@ -335,7 +335,7 @@ def test_eval_ends_in_one_sentence_when_its_server_freezes(
             servers.append(server)
             yield server
 
-    monkeypatch.setattr(lib.inference, "running_server", recorded)
+    monkeypatch.setattr(lib.inference.launch, "running_server", recorded)
     argv = ["reverse_text", "-m", str(tiny_dir), "-n", "1000", "-r", "1", "--max-concurrent", "4"]
     argv += ["--max-tokens", "16", "--env-args", SYNTHETIC, "--output-dir", str(tmp_path), "--name", "run"]
     ended = {}
@@ -404,8 +404,8 @@ def test_eval_stops_when_the_server_computes_with_other_weights_than_m(
     episode when they differ; with --reload-weights it loads -m into the server instead."""
     import shutil
 
-    from lib.inference import running_server
-    from lib.reload import reload_weights
+    from lib.inference.launch import running_server
+    from lib.inference.weights.reload import reload_weights
 
     started, trained = tmp_path / "sft" / "step_40", changed_copy(tiny_dir, tmp_path / "rl" / "step_3")
     shutil.copytree(tiny_dir, started)
@@ -440,9 +440,9 @@ def test_eval_stops_when_the_server_computes_with_other_weights_than_m(
 def test_eval_checks_what_a_vllm_server_computes_with(
     eval_script, vllm_server, trained_tiny, tmp_path, capsys
 ):
-    """vLLM shows the weights it computes with through plainrl's worker extension (lib/vllm_worker.py), as
+    """vLLM shows the weights it computes with through plainrl's worker extension (lib/inference/weights/vllm_worker.py), as
     the builtin engine does: eval.py records them, or stops when they are not -m's."""
-    from lib.reload import check_serves
+    from lib.inference.weights.reload import check_serves
 
     served = check_serves(vllm_server.url, trained_tiny, None)
     assert served == f"the weights in {trained_tiny}: every weight's fingerprint, in float32"

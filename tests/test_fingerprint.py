@@ -1,4 +1,4 @@
-"""After every reload each server shows what its engine computes with (lib/fingerprint.py): a server that keeps
+"""After every reload each server shows what its engine computes with (lib/inference/weights/fingerprint.py): a server that keeps
 other weights, whatever label it reports, stops the run in one sentence naming it and the first weight that
 differs. On the builtin engine and on real vLLM (its CPU build, the session's shared server, loaded back with
 trained_tiny after this module's tests)."""
@@ -12,8 +12,10 @@ import torch
 from conftest import ROOT, load_script
 from safetensors.torch import load_file, save_file
 
-from lib import endpoint, fingerprint, inference, probing, reload
+from lib import endpoint
 from lib.config import UserError, parse
+from lib.inference import launch
+from lib.inference.weights import fingerprint, probing, reload, sync
 
 rl = load_script("rl")
 ENGINES = ["torch", pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.vllm])]
@@ -29,7 +31,7 @@ def server(request, tiny_dir, tmp_path_factory):
         reload.reload_weights([url], served, None, "default")  # as the shared server's other users expect
         return
     log = tmp_path_factory.mktemp("fingerprint") / "serve.log"
-    with inference.running_server(
+    with launch.running_server(
         str(tiny_dir), engine="torch", weights_root="/", log_path=log, extra_args=["--model.dtype", "float32"]
     ) as running:
         yield running.url, tiny_dir
@@ -116,8 +118,8 @@ def test_a_bf16_run_at_lr_3e_6_passes_and_stops_on_a_stale_server_the_probe_pass
 ):
     from transformers import AutoModelForCausalLM
 
-    from lib.head import use_chunked_head
-    from lib.model import load_tokenizer
+    from lib.models.load import load_tokenizer
+    from lib.trainer.head import use_chunked_head
 
     url = server[0]
     result = rl.main(bf16_run(tiny_dir, tmp_path / "run", url, steps=2))
@@ -157,7 +159,7 @@ def write_tiny_moe(directory):
     weights (experts.gate_up_proj, experts.down_proj), and rl.py writes them so."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from lib.tiny import build_tokenizer
+    from lib.models.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     config = Qwen3MoeConfig(
@@ -184,8 +186,9 @@ def write_tiny_moe(directory):
 
 
 def test_a_moe_models_expert_weights_are_checked_and_a_stale_expert_is_named(tmp_path, monkeypatch):
-    from lib import sync
-    from lib.model import LoraConfig, ModelConfig, load_tokenizer, load_trainable
+    from lib.inference.weights import sync
+    from lib.models.load import ModelConfig, load_tokenizer
+    from lib.trainer.trainable import LoraConfig, load_trainable
 
     moe, root = write_tiny_moe(tmp_path / "moe"), tmp_path / "run"
     model, save_dtype, autocast = load_trainable(
@@ -193,7 +196,7 @@ def test_a_moe_models_expert_weights_are_checked_and_a_stale_expert_is_named(tmp
     )
     assert model.model.layers[0].mlp.experts.down_proj.ndim == 3
     extra_args = ["--model.dtype", "float32"]
-    with inference.running_server(
+    with launch.running_server(
         str(moe), engine="torch", weights_root=root, log_path=tmp_path / "serve.log", extra_args=extra_args
     ) as running:
         servers = sync.Servers([running.url], [endpoint.served_model(running.url)])
@@ -212,7 +215,7 @@ def test_a_moe_models_expert_weights_are_checked_and_a_stale_expert_is_named(tmp
 
 def test_a_moe_model_is_refused_on_vllms_cpu_build_before_anything_starts(tiny_dir, tmp_path, monkeypatch):
     moe = write_tiny_moe(tmp_path / "moe")
-    monkeypatch.setattr(inference, "start_server", lambda *args, **kwargs: pytest.fail("a server started"))
+    monkeypatch.setattr(launch, "start_server", lambda *args, **kwargs: pytest.fail("a server started"))
     args = ["@", str(ROOT / "configs/tiny/rl.toml"), "--model.name", str(moe), "--model.device", "cpu"]
     args += ["--output-dir", str(tmp_path / "run"), "--inference.engine", "vllm"]
     with pytest.raises(UserError) as refused:
@@ -222,8 +225,8 @@ def test_a_moe_model_is_refused_on_vllms_cpu_build_before_anything_starts(tiny_d
     assert "\n" not in message and not (tmp_path / "run").exists()
     # What can work goes on: the builtin engine, LoRA adapters (the weights never reload), a dense model.
     config = parse(rl.Config, args)
-    assert inference.weight_sync_mode(config, "cpu", adapter=True) == "disk"
+    assert sync.weight_sync_mode(config, "cpu", adapter=True) == "disk"
     dense = parse(rl.Config, [*args, "--model.name", str(tiny_dir)])
-    assert inference.weight_sync_mode(dense, "cpu", adapter=False) == "memory"
+    assert sync.weight_sync_mode(dense, "cpu", adapter=False) == "memory"
     builtin = parse(rl.Config, [*args, "--inference.engine", "torch"])
-    assert inference.weight_sync_mode(builtin, "cpu", adapter=False) == "memory"
+    assert sync.weight_sync_mode(builtin, "cpu", adapter=False) == "memory"

@@ -32,7 +32,7 @@ def test_a_torch_that_lacks_an_api_plainrl_calls_stops_the_check_in_one_sentence
         scale=None,
         window_size=(-1, -1),
     ):
-        """torch 2.11.0's signature (the GPU machines' torch): no enable_gqa, which lib/attention.py does without."""
+        """torch 2.11.0's signature (the GPU machines' torch): no enable_gqa, which lib/models/attention.py does without."""
 
     def varlen_attn_without_a_window(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None):
         """An older signature: no causal window."""
@@ -41,7 +41,7 @@ def test_a_torch_that_lacks_an_api_plainrl_calls_stops_the_check_in_one_sentence
     assert gpu_check.missing_torch_apis() == []
     monkeypatch.setattr(varlen, "varlen_attn", varlen_attn_without_a_window)
     assert gpu_check.missing_torch_apis() == [
-        "torch.nn.attention.varlen.varlen_attn(window_size=) (lib/attention.py)"
+        "torch.nn.attention.varlen.varlen_attn(window_size=) (lib/models/attention.py)"
     ]
     sentence = gpu_check.torch_problem()
     assert "varlen_attn(window_size=)" in sentence and sentence.count(". ") == 0 and sentence.endswith(".")

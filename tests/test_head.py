@@ -1,4 +1,4 @@
-"""The chunked output layer (lib/head.py): the same logprobs, entropy and gradients as full logits, without them."""
+"""The chunked output layer (lib/trainer/head.py): the same logprobs, entropy and gradients as full logits, without them."""
 
 import peft
 import pytest
@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from lib import head
-from lib.loss import entropy, token_logp
-from lib.qwen import QwenConfig, write_qwen
+from lib.models.qwen import QwenConfig, write_qwen
+from lib.trainer import head
+from lib.trainer.loss import entropy, token_logp
 
 TEMPERATURE = 0.7
 

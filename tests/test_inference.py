@@ -1,4 +1,4 @@
-"""lib/inference.py and serve.py's start: engine choice, the default binding, a server that fails to start."""
+"""lib/inference/launch.py and serve.py's start: engine choice, the default binding, a server that fails to start."""
 
 from pathlib import Path
 
@@ -6,7 +6,8 @@ import pytest
 import torch
 from conftest import load_script
 
-from lib import endpoint, inference
+from lib import endpoint
+from lib.inference import launch
 
 
 def test_auto_engine_picks_vllm_only_with_vllm_and_cuda(monkeypatch):
@@ -50,8 +51,8 @@ def test_serve_binds_loopback_and_reloads_only_under_outputs_by_default(tiny_dir
     (tmp_path / "outputs" / "link").symlink_to(tmp_path / "elsewhere")  # a way out of outputs/
     monkeypatch.chdir(tmp_path)  # outputs/ is the server's working directory's
     monkeypatch.delenv("PLAINRL_API_KEY", raising=False)
-    port = inference.free_port()
-    with inference.running_server(str(tiny_dir), port=port, engine="torch", log_path=tmp_path / "serve.log"):
+    port = launch.free_port()
+    with launch.running_server(str(tiny_dir), port=port, engine="torch", log_path=tmp_path / "serve.log"):
         assert listening_addresses(port) == ["0100007F"]  # 127.0.0.1, no IPv6, no 0.0.0.0
         with socket.socket() as other, pytest.raises(ConnectionRefusedError):
             other.connect(("127.0.0.2", port))  # another local address: reached on 0.0.0.0, refused here
@@ -70,7 +71,7 @@ def test_serve_binds_loopback_and_reloads_only_under_outputs_by_default(tiny_dir
 def test_start_server_raises_the_end_of_the_log_when_the_server_exits(tmp_path):
     log = tmp_path / "serve.log"
     with pytest.raises(RuntimeError, match=r"(?s)exited with code 2.*no/such/model") as failed:
-        inference.start_server(str(tmp_path / "no/such/model"), engine="torch", log_path=log, timeout=120)
+        launch.start_server(str(tmp_path / "no/such/model"), engine="torch", log_path=log, timeout=120)
     assert str(log) in str(failed.value)
 
 
@@ -83,7 +84,7 @@ def test_health_checks_build_one_certificate_context(monkeypatch):
     create = ssl.create_default_context
     monkeypatch.setattr(ssl, "create_default_context", lambda *a, **k: built.append(1) or create(*a, **k))
     endpoint.ssl_context.cache_clear()
-    port = inference.free_port()  # nothing listens there
+    port = launch.free_port()  # nothing listens there
     for _ in range(3):
         assert not endpoint.is_healthy(f"http://127.0.0.1:{port}/v1", timeout=0.5)
     assert len(built) == 1
@@ -94,5 +95,5 @@ def test_free_ports_are_distinct():
     # Ports taken one at a time repeat often (here 28 of 200 draws of 64 held a repeat; a SLURM cluster's
     # four once shared one, and its controller could not bind).
     for _ in range(20):
-        ports = inference.free_ports(64)
+        ports = launch.free_ports(64)
         assert len(set(ports)) == 64

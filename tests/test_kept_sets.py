@@ -1,17 +1,17 @@
 """top_p and top_k in RL: each sampled token's logprob renormalised over its kept set, served by the engine or
-recomputed by the trainer with vLLM's CPU rules (lib/sampling.py kept_mask, lib/head.py KeptSets)."""
+recomputed by the trainer with vLLM's CPU rules (lib/sampling.py kept_mask, lib/trainer/head.py KeptSets)."""
 
 import pytest
 import torch
 from conftest import ROOT, load_script
 from test_rl import learned, rl, rl_config, server  # noqa: F401 (server: the builtin engine the runs attach to)
 
-from lib import head
 from lib.config import parse
-from lib.head import KeptSets
-from lib.qwen import QwenConfig, write_qwen
+from lib.inference.server.decode import processed_logprobs
+from lib.models.qwen import QwenConfig, write_qwen
 from lib.sampling import kept_mask
-from lib.server.decode import processed_logprobs
+from lib.trainer import head
+from lib.trainer.head import KeptSets
 
 FILTER = ("--sampling.top-p", "0.9", "--sampling.top-k", "20")
 ON_POLICY = ("--max-async-level", "0", *FILTER)
@@ -50,7 +50,7 @@ def vllm_rule(vllm_installed):
 
 def three_ways(raw, top_k: int, top_p: float, vllm_rule):
     """The kept sets of raw logits (n, V) at TEMPERATURE: vLLM's, the builtin engine's (what it samples from),
-    and the trainer's recomputed ones (through lib/head.py, a few rows at a time)."""
+    and the trainer's recomputed ones (through lib/trainer/head.py, a few rows at a time)."""
     rows, vocab = raw.shape
     scaled = raw.float() / TEMPERATURE  # (n, V), as vLLM's sampler and the trainer's output layer divide
     logprobs = processed_logprobs(
@@ -141,7 +141,7 @@ def test_on_policy_ratio_is_one_over_the_kept_sets_at_the_qwen_shape(dtype, kept
 def test_on_policy_ratio_is_one_over_recomputed_sets_against_vllm(
     vllm_server, trained_tiny, tmp_path, capsys
 ):
-    from lib import reload
+    from lib.inference.weights import reload
 
     # vLLM's CPU build cannot serve kept sets: an attached server gets them recomputed (auto).
     args = ["@", str(ROOT / "configs/tiny/rl.toml"), "--model.name", str(trained_tiny)]
@@ -295,9 +295,9 @@ def test_share_of_sampled_tokens_outside_the_recomputed_set(precision, qwen_bf16
 
     from transformers import AutoModelForCausalLM
 
-    from lib.model import ModelConfig, load_tokenizer
-    from lib.server.decode import SamplingParams
-    from lib.server.engine import Engine
+    from lib.inference.server.decode import SamplingParams
+    from lib.inference.server.engine import Engine
+    from lib.models.load import ModelConfig, load_tokenizer
 
     serving = "float32" if precision == "float32" else "bfloat16"
     engine = Engine(ModelConfig(name=str(qwen_bf16), dtype=serving, device="cpu"))
@@ -349,10 +349,11 @@ def test_the_builtin_engine_serves_kept_sets_as_vllm_does(tiny_dir, tmp_path):
     import httpx
     from transformers import AutoModelForCausalLM
 
-    from lib import endpoint, inference
+    from lib import endpoint
+    from lib.inference import launch
 
     extra = ["--return-sampling-mask"]
-    with inference.running_server(
+    with launch.running_server(
         str(tiny_dir), engine="torch", log_path=tmp_path / "serve.log", extra_args=extra, threads=1
     ) as masks_server:
         root = endpoint.root_url(masks_server.url)
@@ -393,8 +394,9 @@ def test_recomputed_sets_are_the_ones_vllm_sampled_from(vllm_server, trained_tin
     import httpx
     from transformers import AutoModelForCausalLM
 
-    from lib import endpoint, reload
-    from lib.model import load_tokenizer
+    from lib import endpoint
+    from lib.inference.weights import reload
+    from lib.models.load import load_tokenizer
 
     reload.reload_weights([vllm_server.url], trained_tiny, None, "default")  # whatever ran before
     tokenizer = load_tokenizer(str(trained_tiny))
@@ -421,8 +423,8 @@ def test_recomputed_sets_are_the_ones_vllm_sampled_from(vllm_server, trained_tin
 def test_rl_asks_the_servers_it_starts_for_kept_sets_where_the_engine_can_serve_them(
     tiny_dir, tmp_path, monkeypatch
 ):
-    from lib import inference
-    from lib.vllm import VllmConfig, vllm_command
+    from lib.inference import launch
+    from lib.inference.vllm import VllmConfig, vllm_command
 
     def start_server(model, *args, **kwargs):
         raise RuntimeError(kwargs["extra_args"])
@@ -433,7 +435,7 @@ def test_rl_asks_the_servers_it_starts_for_kept_sets_where_the_engine_can_serve_
             rl.main(parse(rl.Config, [*args, "--output-dir", str(tmp_path / "run"), *extra]))
         return started.value.args[0]
 
-    monkeypatch.setattr(inference, "start_server", start_server)
+    monkeypatch.setattr(launch, "start_server", start_server)
     assert "--return-sampling-mask" in flags(*FILTER)  # the builtin engine (auto on a CPU)
     assert "--return-sampling-mask" in flags(*FILTER, "--inference.engine", "torch")
     assert "--return-sampling-mask" not in flags()  # no top-k/top-p: no kept sets

@@ -19,10 +19,12 @@ import torch
 from conftest import ROOT, load_script
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lib import endpoint, inference, probing, reload
+from lib import endpoint
 from lib.config import UserError, parse
-from lib.head import use_chunked_head
-from lib.model import ModelConfig
+from lib.inference import launch
+from lib.inference.weights import probing, reload
+from lib.models.load import ModelConfig
+from lib.trainer.head import use_chunked_head
 
 rl = load_script("rl")
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -52,7 +54,7 @@ def lora_server(request, trained_tiny, tmp_path_factory):
         return
     root = tmp_path_factory.getbasetemp()
     extra = ["--max-lora-rank", "8", "--model.dtype", "float32"]
-    with inference.running_server(
+    with launch.running_server(
         str(trained_tiny), engine="torch", weights_root=root, log_path=root / "lora.log", extra_args=extra
     ) as server:
         yield server.url
@@ -101,7 +103,7 @@ def test_three_lora_steps_serve_the_trainers_adapter_not_the_base_model(
         assert mean_difference(p["served"], p["base"]) >= 10 * TOLERANCE, p  # the adapter is served
     # The servers were asked for the adapter, and weights/step_N holds it alone (PEFT's layout).
     cards = httpx.get(f"{lora_server}/models").json()["data"]
-    assert inference.ADAPTER_NAME in [card["id"] for card in cards]
+    assert launch.ADAPTER_NAME in [card["id"] for card in cards]
     step_2 = out / "weights" / "step_2"
     assert sorted(p.name for p in step_2.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     assert json.loads((step_2 / "adapter_config.json").read_text())["r"] == 8
@@ -116,14 +118,14 @@ def test_three_lora_steps_serve_the_trainers_adapter_not_the_base_model(
 
 
 def test_the_adapter_file_holds_exactly_what_the_trainer_multiplies(tiny_dir, tmp_path):
-    """rl.py writes the adapter in the dtype its trainer computes in (lib/model.py runs_in_dtype): bf16 only
+    """rl.py writes the adapter in the dtype its trainer computes in (lib/models/load.py runs_in_dtype): bf16 only
     under bf16 autocast, which rounds A and B to bf16 at every multiply, so the bf16 file loses nothing the
     trainer uses; a float32 trainer writes float32. Scored with the file's A and B in place of its own, the
     trainer's logprobs stay bit for bit the same (SmolLM2's figures: docs/lora.md)."""
     from safetensors.torch import load_file
 
-    from lib.model import LoraConfig, load_trainable
-    from lib.weights import write_adapter_dir
+    from lib.trainer.servable import write_adapter_dir
+    from lib.trainer.trainable import LoraConfig, load_trainable
 
     prompt, completion = [5, 6, 7, 8], [9, 10, 11, 12, 13, 14]
     for autocast_mode, dtype in (("on", torch.bfloat16), ("off", torch.float32)):
@@ -161,7 +163,7 @@ def test_the_adapter_file_holds_exactly_what_the_trainer_multiplies(tiny_dir, tm
 
 def test_a_server_without_runtime_lora_stops_the_run_in_one_sentence(trained_tiny, tmp_path):
     log = tmp_path / "serve.log"
-    with inference.running_server(
+    with launch.running_server(
         str(trained_tiny), engine="torch", weights_root=tmp_path, log_path=log
     ) as server:
         with pytest.raises(UserError) as stopped:
@@ -206,10 +208,10 @@ def test_a_resume_after_kill_9_serves_the_checkpoints_adapter(lora_server, train
     httpx.post(endpoint.root_url(lora_server) + "/resume", timeout=30)
     # The server still serves a newer adapter than the checkpoint's, measurably.
     base = AutoModelForCausalLM.from_pretrained(trained_tiny, dtype=torch.float32)
-    use_chunked_head(base)  # the trainer scores tokens through it (lib/head.py)
+    use_chunked_head(base)  # the trainer scores tokens through it (lib/trainer/head.py)
     step_3 = PeftModel.from_pretrained(base, out / "weights" / "step_3").eval()
     prompt = rl_tokenizer(trained_tiny).encode(probing.PROBE_TEXT, add_special_tokens=False)
-    served = probing.probe(lora_server, inference.ADAPTER_NAME, prompt, None)
+    served = probing.probe(lora_server, launch.ADAPTER_NAME, prompt, None)
     checkpointed = probing.trainer_logprobs(step_3, contextlib.nullcontext, prompt, served.completion_ids)
     assert mean_difference(served.logprobs, checkpointed) >= 10 * TOLERANCE
 
@@ -221,12 +223,12 @@ def test_a_resume_after_kill_9_serves_the_checkpoints_adapter(lora_server, train
     assert "(step 3)" in resumed.stdout
     differences = scalars(out, "sync/probe_logprob_difference")
     assert sorted(differences) == [1, 2, 3, 4, 5, 6] and max(differences.values()) < TOLERANCE, differences
-    served = probing.probe(lora_server, inference.ADAPTER_NAME, prompt, None)
+    served = probing.probe(lora_server, launch.ADAPTER_NAME, prompt, None)
     assert served.label == "step_6"
 
 
 def rl_tokenizer(model):
-    from lib.model import load_tokenizer
+    from lib.models.load import load_tokenizer
 
     return load_tokenizer(str(model))
 

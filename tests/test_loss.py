@@ -12,7 +12,7 @@ import torch
 from conftest import ROOT
 
 from lib.config import UserError
-from lib.loss import LossConfig, entropy, policy_loss, token_logp
+from lib.trainer.loss import LossConfig, entropy, policy_loss, token_logp
 
 
 def probs(*values):
@@ -469,8 +469,8 @@ SEQUENCE_LEVEL = {
 def test_sequence_level_quantities_do_not_depend_on_packing(config):
     """The same rollouts one to a row, many to a row, and one row per micro-batch over several micro-batches:
     the step's loss, each token's gradient and the metrics agree."""
-    from lib.packing import rl_micro_batches
-    from lib.rollouts import Rollout
+    from lib.orchestrator.rollouts import Rollout
+    from lib.trainer.packing import rl_micro_batches
 
     rng = random.Random(0)
     rollouts = []
@@ -561,7 +561,7 @@ def test_rl_imports_a_custom_loss_from_its_working_directory_and_refuses_a_bad_o
 
 
 def test_new_options_reject_bad_values_and_a_custom_loss_is_found_by_its_path(monkeypatch, tmp_path):
-    from lib.loss import loss_function
+    from lib.trainer.loss import loss_function
 
     with pytest.raises(ValueError, match="ratio_level sequence applies to"):
         LossConfig(variant="dppo", ratio_level="sequence")

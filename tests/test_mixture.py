@@ -8,10 +8,10 @@ import subprocess
 import pytest
 from conftest import ROOT, load_script, tensorboard_scalars, wandb_history
 
-from lib import inference
 from lib.config import UserError, parse, write_config
-from lib.mixture import Mixture, Source
-from lib.tasks import EnvConfig, env_configs
+from lib.inference import launch
+from lib.orchestrator.mixture import Mixture, Source
+from lib.orchestrator.tasks import EnvConfig, env_configs
 
 rl = load_script("rl")
 
@@ -99,7 +99,7 @@ def test_a_bad_mixture_entry_is_one_sentence_before_any_heavy_work(mix, message)
 
 
 def test_sft_data_of_a_mixture_holds_each_environments_conversations():
-    from lib.data import load_conversations
+    from lib.orchestrator.data import load_conversations
 
     mix = ('{"id": "alphabet_sort", "num_examples": 2}', '{"id": "plainrl_calculator", "num_examples": 4}')
     conversations = load_conversations(EnvConfig(id="reverse_text", num_examples=3, mix=mix))
@@ -117,7 +117,7 @@ def test_sft_data_of_a_mixture_holds_each_environments_conversations():
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
     root = tmp_path_factory.getbasetemp()
-    with inference.running_server(
+    with launch.running_server(
         str(tiny_dir), engine="torch", weights_root=root, log_path=root / "serve.log"
     ) as s:
         yield s
@@ -147,8 +147,8 @@ def test_kill_9_and_resume_continue_an_uninterrupted_runs_draw_sequence_past_the
 ):
     from test_rl import FIXTURES, kill_at_step_6_then_resume, own_server_command
 
-    from lib.envs import load_env, load_tasks
-    from lib.tasks import task_id
+    from lib.orchestrator.envs import load_env, load_tasks
+    from lib.orchestrator.tasks import task_id
 
     reverse = '{"id": "reverse_text", "num_examples": 16}'
     flags = ("--steps", "40", "--checkpoint-every", "4", "--max-async-level", "0", "--env.ratio", "3")

@@ -20,9 +20,10 @@ import torch
 from conftest import ROOT, load_script
 from safetensors.torch import load_file
 
-from lib import endpoint, inference
+from lib import endpoint
 from lib.config import parse
-from lib.inference import free_port, free_ports
+from lib.inference import launch
+from lib.inference.launch import free_port, free_ports
 
 FIXTURES = ROOT / "tests" / "fixtures"
 HOOKS = FIXTURES / "hooks"
@@ -174,12 +175,8 @@ def servers(tiny_dir, tmp_path_factory):
     """Two independent builtin-engine servers of the tiny model."""
     root = tmp_path_factory.getbasetemp()
     with (
-        inference.running_server(
-            str(tiny_dir), engine="torch", weights_root=root, log_path=root / "a.log"
-        ) as a,
-        inference.running_server(
-            str(tiny_dir), engine="torch", weights_root=root, log_path=root / "b.log"
-        ) as b,
+        launch.running_server(str(tiny_dir), engine="torch", weights_root=root, log_path=root / "a.log") as a,
+        launch.running_server(str(tiny_dir), engine="torch", weights_root=root, log_path=root / "b.log") as b,
     ):
         yield a, b
 
@@ -201,7 +198,7 @@ def rl_args(tiny_dir, *extra) -> list[str]:
 def test_two_node_make_rl_matches_one_process_and_rank_0_writes(tiny_dir, servers, tmp_path, monkeypatch):
     from replay_rl import ReplayProducer
 
-    import lib.producer
+    import lib.orchestrator.producer
 
     url = servers[0].url
     out = tmp_path / "two"
@@ -213,7 +210,7 @@ def test_two_node_make_rl_matches_one_process_and_rank_0_writes(tiny_dir, server
         "weights/step_0"
     }
     assert_written_once_by_rank_0(tmp_path, out, expected)
-    monkeypatch.setattr(lib.producer, "Producer", ReplayProducer)
+    monkeypatch.setattr(lib.orchestrator.producer, "Producer", ReplayProducer)
     one = rl.main(
         parse(
             rl.Config,
@@ -255,7 +252,7 @@ def test_rl_spreads_rollouts_over_two_servers_and_reloads_both(tiny_dir, servers
     import httpx
     from transformers import AutoModelForCausalLM
 
-    from lib.producer import Producer
+    from lib.orchestrator.producer import Producer
 
     used = []
     group = Producer._group

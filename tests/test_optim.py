@@ -2,7 +2,7 @@
 
 import torch
 
-from lib.optim import OptimConfig, build_optimizer
+from lib.trainer.optim import OptimConfig, build_optimizer
 
 
 def test_adamw_on_cpu_is_fused_and_takes_the_default_implementations_steps():

@@ -9,12 +9,12 @@ import torch.nn.functional as F
 from test_data import reverse_conversation
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lib.attention import sequence_bounds, use_packed_attention
-from lib.data import tokenize_all
-from lib.head import KeptSets
-from lib.loss import token_logp
-from lib.packing import first_fit, rl_micro_batches, sft_rows
-from lib.rollouts import Rollout
+from lib.models.attention import sequence_bounds, use_packed_attention
+from lib.orchestrator.data import tokenize_all
+from lib.orchestrator.rollouts import Rollout
+from lib.trainer.head import KeptSets
+from lib.trainer.loss import token_logp
+from lib.trainer.packing import first_fit, rl_micro_batches, sft_rows
 
 TEXTS = ["hello world", "a", "plain pytorch scripts", "ok then", "reverse me please!", "xyz", "the end"]
 
@@ -80,7 +80,7 @@ def test_packed_attention_takes_sample_boundaries_found_once_per_forward(tiny_di
     samples = [([5, 6, 7, 8], [0, 1, 1, 1]), ([9, 10, 11], [0, 1, 1]), ([12, 13], [0, 1])]
     input_ids, position_ids, _ = sft_rows(samples, seq_len=9, packing=True, pad_id=0)
     with torch.no_grad():
-        bounds = sequence_bounds(position_ids, *input_ids.shape)  # as lib/head.py's token_scores does
+        bounds = sequence_bounds(position_ids, *input_ids.shape)  # as lib/trainer/head.py's token_scores does
         kwargs = {"position_ids": position_ids, "use_cache": False, "packed_bounds": bounds}
         packed = model(input_ids=input_ids, **kwargs).logits
         assert len(calls) == 1, f"boundaries computed {len(calls)} times in one forward"
@@ -163,7 +163,7 @@ def test_rl_micro_batches_reject_a_rollout_longer_than_a_row():
 def test_packed_row_gives_the_same_logprobs_as_separate_forwards(tiny_dir):
     from transformers import AutoModelForCausalLM
 
-    from lib.loss import token_logp
+    from lib.trainer.loss import token_logp
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
     samples = [rollout(length=n, first_token=f) for n, f in ((7, 10), (5, 30), (9, 50))]
@@ -205,7 +205,7 @@ def test_under_bf16_autocast_packed_rows_take_the_varlen_kernel_which_equals_the
     """The trainer's float32 weights under bf16 autocast: Qwen3's q and k leave its norms and RoPE in float32,
     v in bf16; all three must reach the kernel in bf16, or packed attention falls back to the SDPA loop.
     torch's kernel has no CPU backend: CPU stands in for CUDA, with the reference kernel above."""
-    from lib import attention
+    from lib.models import attention
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
     assert model.config.model_type == "qwen3"
@@ -240,7 +240,7 @@ def test_under_bf16_autocast_packed_rows_take_the_varlen_kernel_which_equals_the
 def test_the_varlen_kernel_without_gqa_gets_repeated_key_value_heads(monkeypatch):
     # torch 2.11's varlen_attn has no enable_gqa: packed_attention repeats the key/value heads for it and
     # must give what the per-sample SDPA loop gives (run here on CPU in bf16, as under autocast on CUDA).
-    import lib.attention
+    import lib.models.attention
 
     def varlen_without_gqa(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
         assert q.shape[1] == k.shape[1] == v.shape[1] and window_size == (-1, 0), "heads must match"
@@ -258,10 +258,14 @@ def test_the_varlen_kernel_without_gqa_gets_repeated_key_value_heads(monkeypatch
     query = torch.randn(rows, heads, length, dim, dtype=torch.bfloat16)
     key, value = (torch.randn(rows, kv_heads, length, dim, dtype=torch.bfloat16) for _ in range(2))
     position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1], [0, 1, 2, 3, 4, 0, 1, 2, 3]])
-    looped, _ = lib.attention.packed_attention(None, query, key, value, None, position_ids=position_ids)
-    monkeypatch.setattr(lib.attention, "VARLEN_DEVICES", ("cpu",))
-    monkeypatch.setattr(lib.attention, "varlen_kernel", lambda: ("torch", varlen_without_gqa))
-    kernel, _ = lib.attention.packed_attention(None, query, key, value, None, position_ids=position_ids)
+    looped, _ = lib.models.attention.packed_attention(
+        None, query, key, value, None, position_ids=position_ids
+    )
+    monkeypatch.setattr(lib.models.attention, "VARLEN_DEVICES", ("cpu",))
+    monkeypatch.setattr(lib.models.attention, "varlen_kernel", lambda: ("torch", varlen_without_gqa))
+    kernel, _ = lib.models.attention.packed_attention(
+        None, query, key, value, None, position_ids=position_ids
+    )
     torch.testing.assert_close(kernel, looped, rtol=2e-2, atol=2e-2)
 
 
@@ -269,13 +273,13 @@ def test_on_a_cpu_short_bf16_samples_attend_in_float32_as_close_to_float64_as_sd
     # SDPA's causal CPU kernel took ~1.5x longer than two float32 matmuls over a forward and backward of
     # 100-token samples: samples up to SHORT_SAMPLE take float32_attention, longer ones SDPA. Outputs and
     # gradients must be as close to a float64 reference as the SDPA loop's.
-    import lib.attention
+    import lib.models.attention
 
-    monkeypatch.setattr(lib.attention, "SHORT_SAMPLE", 64)
+    monkeypatch.setattr(lib.models.attention, "SHORT_SAMPLE", 64)
     calls = []
-    float32_attention = lib.attention.float32_attention
+    float32_attention = lib.models.attention.float32_attention
     monkeypatch.setattr(
-        lib.attention,
+        lib.models.attention,
         "float32_attention",
         lambda q, *rest: calls.append(q.shape[2]) or float32_attention(q, *rest),
     )
@@ -288,9 +292,9 @@ def test_on_a_cpu_short_bf16_samples_attend_in_float32_as_close_to_float64_as_sd
     upstream = torch.randn(1, sum(lengths), heads, dim, generator=generator)
 
     def attend(dtype, short):
-        monkeypatch.setattr(lib.attention, "SHORT_SAMPLE", short)
+        monkeypatch.setattr(lib.models.attention, "SHORT_SAMPLE", short)
         inputs = [x.to(dtype).requires_grad_() for x in tensors]
-        out, _ = lib.attention.packed_attention(None, *inputs, None, position_ids=position_ids)
+        out, _ = lib.models.attention.packed_attention(None, *inputs, None, position_ids=position_ids)
         (out.double() * upstream).sum().backward()
         return [out.double()] + [x.grad.double() for x in inputs]
 
@@ -330,7 +334,7 @@ def grouped_rollouts(seed: int, vocabulary: int = 200) -> list[Rollout]:
 
 
 def test_shared_prompts_hold_each_groups_prompt_once_and_split_a_group_that_outgrows_a_row():
-    from lib.packing import shared_prompts
+    from lib.trainer.packing import shared_prompts
 
     rollouts = grouped_rollouts(0)
     lengths = [len(r.token_ids) for r in rollouts]
@@ -354,7 +358,9 @@ def test_shared_prompts_hold_each_groups_prompt_once_and_split_a_group_that_outg
         )
     micro_batches = rl_micro_batches(rollouts, 512, rows_per_micro_batch=4, share_prompts=True)
     (mb,) = micro_batches
-    kept = KeptSets(ids=mb.kept_ids, counts=mb.kept_counts).select(mb.loss_mask)  # as lib/head.py reads them
+    kept = KeptSets(ids=mb.kept_ids, counts=mb.kept_counts).select(
+        mb.loss_mask
+    )  # as lib/trainer/head.py reads them
     tokens = mb.loss_mask.nonzero().tolist()  # row-major, the order the head scores them in
     first_ids = [1000 * int(mb.rollout_index[r, t]) + int(mb.position_ids[r, t]) for r, t in tokens]
     assert kept.counts.tolist() == [2] * len(tokens) and kept.ids[::2].tolist() == first_ids
@@ -379,8 +385,8 @@ def test_shared_prompts_give_every_token_the_logprob_and_gradient_of_the_whole_r
     """The shared layout's forward and backward against each rollout laid out whole (both packed): every
     sampled token's logprob and entropy, and the weights' gradient of an advantage-weighted loss. bf16 runs
     short samples through float32_attention (with the branch mask), bf16-sdpa through SDPA's masked kernel."""
-    from lib import attention
-    from lib.head import next_token_scores, use_chunked_head
+    from lib.models import attention
+    from lib.trainer.head import next_token_scores, use_chunked_head
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
     assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped heads under a mask

@@ -1,10 +1,11 @@
-"""lib/patches.py: verifiers' train client takes the builtin server's /inference/v1/generate answers (vLLM's shape)."""
+"""lib/orchestrator/patches.py: verifiers' train client takes the builtin server's /inference/v1/generate answers (vLLM's shape)."""
 
 import asyncio
 
 import pytest
 
-from lib import endpoint, inference
+from lib import endpoint
+from lib.inference import launch
 
 KEY = "test-key"
 
@@ -12,7 +13,7 @@ KEY = "test-key"
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("patches") / "serve.log"
-    with inference.running_server(
+    with launch.running_server(
         str(tiny_dir), engine="torch", api_key=KEY, log_path=log, threads=1
     ) as running:
         yield {"url": endpoint.root_url(running.url), "name": str(tiny_dir)}
@@ -20,14 +21,14 @@ def server(tiny_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_dir):
-    from lib.model import load_tokenizer
+    from lib.models.load import load_tokenizer
 
     return load_tokenizer(str(tiny_dir))
 
 
 def test_verifiers_train_client_generates_through_the_token_route(server, tokenizer, monkeypatch):
     """The train client rejects vLLM 0.32's /inference/v1/generate answers as they come (the server answers
-    in vLLM's shape); through plainrl's HTTP layer (lib/patches.py) it takes them, and trains on the
+    in vLLM's shape); through plainrl's HTTP layer (lib/orchestrator/patches.py) it takes them, and trains on the
     prompt tokens the server echoed."""
     import renderers.client
     from verifiers.v1.clients.train import TrainClient
@@ -35,7 +36,7 @@ def test_verifiers_train_client_generates_through_the_token_route(server, tokeni
     from verifiers.v1.dialects.chat import ChatDialect
     from verifiers.v1.types import SamplingConfig
 
-    from lib import patches
+    from lib.orchestrator import patches
 
     monkeypatch.setenv("PLAINRL_TEST_API_KEY", KEY)
     config = TrainClientConfig(
@@ -73,7 +74,7 @@ def test_verifiers_train_client_generates_through_the_token_route(server, tokeni
 
 
 def test_generate_answers_get_the_token_names_the_train_client_checks():
-    from lib.patches import name_generate_tokens
+    from lib.orchestrator.patches import name_generate_tokens
 
     entry = {
         "token_id": 5,

@@ -3,7 +3,7 @@
 A long request is in flight when the server pauses in keep mode and loads other weights. It must
 finish, its tokens split into two `weight_versions` spans, each span's logprobs those of its own
 weights (scored here by transformers over the whole history). plainrl's reload sequence
-(lib/sync.py) must leave no KV of the old weights behind: neither in the kept request (its later
+(lib/inference/weights/sync.py) must leave no KV of the old weights behind: neither in the kept request (its later
 tokens are scored over a history the new weights recomputed) nor for a new request with the same
 prompt (vLLM would otherwise reuse the kept request's prefix-cached blocks). The control: a pause
 that keeps the cache (clear_cache=false) and a plain /reset_prefix_cache answer success false, and the
@@ -20,7 +20,9 @@ import pytest
 import torch
 from conftest import until_decoding
 
-from lib import endpoint, inference, reload
+from lib import endpoint
+from lib.inference import launch
+from lib.inference.weights import reload
 
 PROMPT = [10 + (7 * i) % 80 for i in range(200)]
 KEPT_TOKENS = 1200
@@ -31,7 +33,7 @@ KEPT_TOKENS = 1200
 )
 def server(request, tmp_path_factory):
     """(base URL, old weights, new weights) of a server serving the old ones, labelled "old"."""
-    from lib.tiny import TinyConfig, write_tiny
+    from lib.models.tiny import TinyConfig, write_tiny
 
     root = tmp_path_factory.mktemp(f"keep-{request.param}")
     new = write_tiny(root / "new", TinyConfig(seed=1))
@@ -44,7 +46,7 @@ def server(request, tmp_path_factory):
         return
     old = shutil.copytree(request.getfixturevalue("tiny_dir"), root / "old")
     extra = ["--model.dtype", "float32", "--max-model-len", "2048"]
-    with inference.running_server(
+    with launch.running_server(
         str(old), engine="torch", weights_root=root, log_path=root / "serve.log", extra_args=extra
     ) as builtin:
         reload.reload_weights([builtin.url], old, None, "old")

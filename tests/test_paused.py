@@ -14,8 +14,10 @@ import httpx
 import pytest
 from conftest import ROOT, load_script
 
-from lib import endpoint, inference, sync
+from lib import endpoint
 from lib.config import UserError, parse
+from lib.inference import launch
+from lib.inference.weights import sync
 
 ENGINES = ["torch", pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.slow])]
 
@@ -23,7 +25,7 @@ ENGINES = ["torch", pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.sl
 @pytest.fixture(scope="module")
 def builtin(tiny_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("paused")
-    with inference.running_server(
+    with launch.running_server(
         str(tiny_dir), engine="torch", weights_root=root, log_path=root / "s.log"
     ) as server:
         yield server, root
@@ -61,13 +63,13 @@ def test_eval_against_a_paused_server_stops_with_one_sentence(paused_server, mon
 def test_rl_stops_when_another_client_pauses_its_server_between_syncs(
     builtin, trained_tiny, monkeypatch, tmp_path
 ):
-    import lib.producer
+    import lib.orchestrator.producer
 
     rl = load_script("rl")
     server, weights_root = builtin
     root = endpoint.root_url(server.url)
     monkeypatch.setattr(endpoint, "PAUSED_PATIENCE_S", 2.0)
-    monkeypatch.setattr(lib.producer, "HEALTH_EVERY_S", 0.5)
+    monkeypatch.setattr(lib.orchestrator.producer, "HEALTH_EVERY_S", 0.5)
     publish = sync.publish
 
     def publish_then_someone_pauses(*args, **kwargs):
@@ -93,7 +95,7 @@ def test_rl_stops_when_another_client_pauses_its_server_between_syncs(
 
 @pytest.mark.slow
 def test_sigterm_stops_a_paused_builtin_server_and_its_waiting_clients_get_an_error(tiny_dir, tmp_path):
-    port = inference.free_port()
+    port = launch.free_port()
     command = [sys.executable, str(ROOT / "scripts/serve.py"), "--model.name", str(tiny_dir)]
     command += ["--port", str(port), "--engine", "torch"]
     keyless = {k: v for k, v in os.environ.items() if k != "PLAINRL_API_KEY"}
@@ -157,14 +159,14 @@ def test_an_evaluation_during_rl_against_a_paused_server_stops_with_one_sentence
 ):
     # Before, rl.py's evaluation watched /health only, which a paused server answers with 200: seen still
     # waiting after 100 s.
-    import lib.evaluation
-    from lib.mixture import load_mixture
+    import lib.orchestrator.evaluation
+    from lib.orchestrator.mixture import load_mixture
 
     rl = load_script("rl")
     server, _ = builtin
     root = endpoint.root_url(server.url)
     monkeypatch.setattr(endpoint, "PAUSED_PATIENCE_S", 2.0)
-    monkeypatch.setattr(lib.evaluation, "HEALTH_EVERY_S", 0.5)
+    monkeypatch.setattr(lib.orchestrator.evaluation, "HEALTH_EVERY_S", 0.5)
     argv = ["@", str(ROOT / "configs/tiny/rl.toml"), "--model.name", str(tiny_dir), "--eval.every", "1"]
     argv += ["--eval.num-examples", "2", "--eval.rollouts-per-example", "1", "--sampling.max-tokens", "8"]
     argv += ["--env.num-examples", "8"]

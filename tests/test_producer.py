@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from conftest import eventually
 
-import lib.producer
-from lib import patches
-from lib.envs import model_context
-from lib.mixture import Mixture, Source
-from lib.producer import Producer
-from lib.rollouts import Rollout
+import lib.orchestrator.producer
+from lib.orchestrator import patches
+from lib.orchestrator.envs import model_context
+from lib.orchestrator.mixture import Mixture, Source
+from lib.orchestrator.producer import Producer
+from lib.orchestrator.rollouts import Rollout
 from lib.sampling import SamplingConfig
 
 
@@ -54,7 +54,7 @@ def fake_env(monkeypatch):
         task, reward, branches, length, kept = episode
         if reward is None:
             return [], "the episode failed"
-        # Served kept sets: one id per sampled token (what lib/envs.py kept_sets gives when they are whole).
+        # Served kept sets: one id per sampled token (what lib/orchestrator/envs.py kept_sets gives when they are whole).
         counts = np.array([0] + [1] * (length - 1), np.int32)
         kept_sets = {"kept_ids": np.ones(length - 1, np.int32), "kept_counts": counts} if kept else {}
         rollout = Rollout(
@@ -64,9 +64,9 @@ def fake_env(monkeypatch):
         )  # fmt: skip
         return [rollout] * branches, None
 
-    monkeypatch.setattr(lib.producer.envs, "serving", serving)
-    monkeypatch.setattr(lib.producer.envs, "run_episode", run_episode)
-    monkeypatch.setattr(lib.producer.envs, "training_samples", training_samples)
+    monkeypatch.setattr(lib.orchestrator.producer.envs, "serving", serving)
+    monkeypatch.setattr(lib.orchestrator.producer.envs, "run_episode", run_episode)
+    monkeypatch.setattr(lib.orchestrator.producer.envs, "training_samples", training_samples)
 
 
 class FakeTask(dict):
@@ -233,7 +233,7 @@ def test_an_exception_outside_the_episodes_ends_the_run_with_its_traceback(fake_
     def broken(*args, **kwargs):
         raise AssertionError("ragged branch")
 
-    monkeypatch.setattr(lib.producer.envs, "training_samples", broken)
+    monkeypatch.setattr(lib.orchestrator.producer.envs, "training_samples", broken)
     run = producer([{"id": i} for i in range(10)])
     run.start()
     try:
@@ -359,7 +359,7 @@ def test_the_filter_passes_flat_groups_once_its_bound_is_reached(fake_env):
         batch = take_within(run, 0)
     finally:
         run.stop()
-    assert batch.num_flat_groups == 2 and batch.num_resampled == lib.producer.RESAMPLE_LIMIT * 2
+    assert batch.num_flat_groups == 2 and batch.num_resampled == lib.orchestrator.producer.RESAMPLE_LIMIT * 2
 
 
 def test_the_reward_metric_means_the_same_with_and_without_the_filter(fake_env):
@@ -405,8 +405,8 @@ def test_each_kind_of_rollout_error_is_printed_once_and_the_run_ends_naming_the_
         episodes.append(task)
         raise RuntimeError(f"Prompt length ({120 + len(episodes) % 9}) exceeds maximum context length (64).")
 
-    monkeypatch.setattr(lib.producer.envs, "run_episode", too_long)
-    monkeypatch.setattr(lib.producer, "FAILURE_PATIENCE_S", 1.0)
+    monkeypatch.setattr(lib.orchestrator.producer.envs, "run_episode", too_long)
+    monkeypatch.setattr(lib.orchestrator.producer, "FAILURE_PATIENCE_S", 1.0)
     run = producer([{"id": i} for i in range(4)])
     printed = []
     run.start()
@@ -423,6 +423,6 @@ def test_each_kind_of_rollout_error_is_printed_once_and_the_run_ends_naming_the_
         "raise --seq-len (a server of your own also needs a larger --max-model-len) or "
         "lower --sampling.max-tokens"
     )
-    assert lib.producer.failure_cause("APIConnectionError: Connection error.").startswith(
+    assert lib.orchestrator.producer.failure_cause("APIConnectionError: Connection error.").startswith(
         "the inference server stopped answering"
     )

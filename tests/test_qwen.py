@@ -10,11 +10,12 @@ from renderers.configs import Qwen3RendererConfig
 from renderers.qwen3 import Qwen3Renderer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lib import data, envs, qwen
 from lib.config import UserError
-from lib.qwen import QwenConfig, build_tokenizer, model_config, write_qwen
+from lib.models import qwen
+from lib.models.qwen import QwenConfig, build_tokenizer, model_config, write_qwen
+from lib.models.tiny import write_tiny
+from lib.orchestrator import data, envs
 from lib.sampling import SamplingConfig
-from lib.tiny import write_tiny
 
 EMPTY_THINKING = [151667, 271, 151668, 271]  # "<think>", "\n\n", "</think>", "\n\n"
 
@@ -177,7 +178,7 @@ def rl_samples(renderer: Qwen3Renderer, messages: list[dict], tools) -> list[tup
 
 
 def sft_samples(tokenizer, messages: list[dict], tools) -> list[tuple[list[int], list[int]]]:
-    """(prompt, trained tokens) per assistant turn, from lib.data's rendering through the chat template (one
+    """(prompt, trained tokens) per assistant turn, from lib.orchestrator.data's rendering through the chat template (one
     sample per turn where the template rewrites history, else one sample with a trained run per turn)."""
     out = []
     for ids, mask in data.tokenize_conversation(tokenizer, messages, tools):
@@ -296,7 +297,7 @@ def test_bad_overrides_are_one_sentence():
 def test_script_writes_the_default_directory(tokenizer, tmp_path, monkeypatch, capsys):
     script = load_script("qwen")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("lib.qwen.build_tokenizer", lambda: tokenizer)
+    monkeypatch.setattr("lib.models.qwen.build_tokenizer", lambda: tokenizer)
     out = script.main(script.Config(qwen=QwenConfig(overrides='{"num_hidden_layers": 1}')))
     assert (
         out == tmp_path / "outputs/models/qwen3-test"

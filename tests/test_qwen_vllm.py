@@ -3,7 +3,7 @@
 
 One vLLM server (float32) serves the SFT output to eval.py and then to rl.py, which reloads it after each step.
 The model is tied like Qwen3-0.6B to 4B: vLLM's CPU build refreshes such an output layer only through
-lib/vllm_worker.py's ServedWeights, and the weight fingerprint after each reload catches a server still on
+lib/inference/weights/vllm_worker.py's ServedWeights, and the weight fingerprint after each reload catches a server still on
 the old one. It runs without runtime LoRA, so it also shows what a LoRA run says to such a server.
 """
 
@@ -15,9 +15,11 @@ from conftest import ROOT, load_script
 from renderers.qwen3 import Qwen3Renderer
 from safetensors.torch import load_file
 
-from lib import envs, inference, reload
 from lib.config import UserError, parse
-from lib.qwen import QwenConfig, write_qwen
+from lib.inference import launch
+from lib.inference.weights import reload
+from lib.models.qwen import QwenConfig, write_qwen
+from lib.orchestrator import envs
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 SFT_STEPS = 10
@@ -54,7 +56,7 @@ def test_a_tied_qwen3_goes_sft_eval_rl_through_vllm_with_the_qwen3_renderer(
     extra = ["--model.dtype", "float32", "--vllm.cpu-kv-cache-gib", "1", "--max-model-len", "1024"]
     extra += ["--served-model-name", "policy"]
     log = tmp_path / "vllm.log"
-    with inference.running_server(str(warmed), engine="vllm", log_path=log, extra_args=extra) as server:
+    with launch.running_server(str(warmed), engine="vllm", log_path=log, extra_args=extra) as server:
         evaluate = load_script("eval")
         eval_args = ["letter_taskset", "-m", "policy", "-b", server.url, "-n", "4", "-r", "2"]
         eval_args += ["--max-tokens", "16", "--output-dir", str(tmp_path / "eval")]
@@ -77,7 +79,7 @@ def test_a_tied_qwen3_goes_sft_eval_rl_through_vllm_with_the_qwen3_renderer(
         assert "answered /v1/load_lora_adapter with 404" in message and "--max-lora-rank 8" in message
         assert "\n" not in message
 
-        # The output layer left unrefreshed, as vLLM's CPU build leaves it without lib/vllm_worker.py's repair:
+        # The output layer left unrefreshed, as vLLM's CPU build leaves it without lib/inference/weights/vllm_worker.py's repair:
         # the SFT weights loaded over step 2's, the fingerprint finds it still on step 2's.
         monkeypatch.setattr(reload, "refresh_tied_output_layer", lambda http, url: None)
         with pytest.raises(UserError, match=r"the first differing weight is lm_head\.weight \(sum"):

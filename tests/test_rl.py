@@ -13,9 +13,10 @@ import pytest
 import torch
 from conftest import ROOT, eventually, load_script, recorded_layouts, tensorboard_scalars, wandb_history
 
-from lib import inference, probing
 from lib.config import UserError, parse
-from lib.model import load_tokenizer
+from lib.inference import launch
+from lib.inference.weights import probing
+from lib.models.load import load_tokenizer
 
 rl = load_script("rl")
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -25,7 +26,7 @@ sys.path.insert(0, str(FIXTURES))  # letter_taskset: a reward that varies even f
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
     root = tmp_path_factory.getbasetemp()
-    with inference.running_server(
+    with launch.running_server(
         str(tiny_dir),
         engine="torch",
         weights_root=root,
@@ -38,7 +39,7 @@ def server(tiny_dir, tmp_path_factory):
 def on_base_weights(url: str, tiny_dir) -> None:
     """Puts the shared server back on the tiny model's weights, as a LoRA run needs: it loads only its
     adapter, on top of whatever the server holds, where a full run reloads every weight first."""
-    from lib import reload
+    from lib.inference.weights import reload
 
     reload.reload_weights([url], tiny_dir, None, "default")
 
@@ -81,7 +82,7 @@ def rl_config_args(model, out, url, *extra) -> list[str]:
 def test_the_server_rl_starts_gets_its_share_of_the_gpu_and_the_trainers_length(
     tiny_dir, tmp_path, monkeypatch
 ):
-    from lib.vllm import vllm_command
+    from lib.inference.vllm import vllm_command
 
     serve = load_script("serve")
 
@@ -107,7 +108,7 @@ def test_the_server_rl_starts_gets_its_share_of_the_gpu_and_the_trainers_length(
             served.max_lora_rank,
         )
 
-    monkeypatch.setattr(inference, "start_server", start_server)
+    monkeypatch.setattr(launch, "start_server", start_server)
     command = vllm_flags("--inference.gpu-memory-utilization", "0.25", "--seq-len", "1024")
     assert command[command.index("--gpu-memory-utilization") + 1] == "0.25"  # not vLLM's 0.9 default
     assert (
@@ -146,9 +147,9 @@ def test_rl_trains_on_an_environment_from_one_python_file(tiny_dir, server, tmp_
 
 
 def test_a_run_whose_every_episode_fails_stops_with_the_error(tiny_dir, server, tmp_path, monkeypatch):
-    import lib.producer
+    import lib.orchestrator.producer
 
-    monkeypatch.setattr(lib.producer, "FAILURE_PATIENCE_S", 2.0)  # 60 s in a run
+    monkeypatch.setattr(lib.orchestrator.producer, "FAILURE_PATIENCE_S", 2.0)  # 60 s in a run
     failing = ["--env.id", "toy_taskset", "--env.args", '{"fail_in_reward": true}']
     with pytest.raises(ValueError, match="no group of rollouts succeeded for .*toy reward exploded"):
         rl.main(rl_config(tiny_dir, tmp_path / "run", server.url, *failing))
@@ -179,7 +180,7 @@ def test_greedy_sampling_is_refused_for_training():
 
 
 def test_a_preset_whose_sft_stage_has_not_run_names_the_command_that_makes_it(tmp_path, monkeypatch):
-    from lib.model import check_model_name
+    from lib.models.load import check_model_name
 
     monkeypatch.chdir(tmp_path)  # a fresh checkout: no outputs/
     for env in ("reverse_text", "tiny"):
@@ -202,7 +203,7 @@ def test_a_server_whose_weights_root_lacks_the_run_directory_says_so(tiny_dir, s
 def test_lora_dropout_is_refused_for_training():
     # Dropout in the trainer's forward scores other weights than the servers sample with: measured
     # on-policy with --lora.dropout 0.5, a ratio of 0.9915-0.9994 and a mismatch KL of 0.004-0.005.
-    from lib.model import LoraConfig
+    from lib.trainer.trainable import LoraConfig
 
     with pytest.raises(ValueError, match="lora.dropout = 0"):
         rl.Config(lora=LoraConfig(rank=8, dropout=0.5))
@@ -210,7 +211,7 @@ def test_lora_dropout_is_refused_for_training():
 
 
 def test_shared_prompts_need_packed_sdpa_rows():
-    from lib.model import ModelConfig
+    from lib.models.load import ModelConfig
 
     with pytest.raises(ValueError, match="share_prompts on needs packing"):
         rl.Config(share_prompts="on", packing=False)
@@ -250,11 +251,11 @@ def test_rollout_errors_are_logged_per_step_with_a_running_total(
 ):
     import dataclasses
 
-    import lib.envs
+    import lib.orchestrator.envs
 
     # The real producer, whose first episode of each task asks a port where no server listens: one
     # real episode error per group. On-policy, a step's groups all finish before the step takes them.
-    run_episode, asked = lib.envs.run_episode, set()
+    run_episode, asked = lib.orchestrator.envs.run_episode, set()
 
     async def first_episode_fails(vf_env, task, context):
         if task.data.id not in asked:
@@ -263,7 +264,7 @@ def test_rollout_errors_are_logged_per_step_with_a_running_total(
             context = dataclasses.replace(context, client=dead)
         return await run_episode(vf_env, task, context)
 
-    monkeypatch.setattr(lib.envs, "run_episode", first_episode_fails)
+    monkeypatch.setattr(lib.orchestrator.envs, "run_episode", first_episode_fails)
     result = rl.main(
         rl_config(tiny_dir, tmp_path / "run", server.url, "--steps", "3", "--max-async-level", "0")
     )
@@ -601,16 +602,18 @@ def test_two_cpu_processes_match_one_on_the_same_batches(tiny_dir, server, tmp_p
     from safetensors.torch import load_file
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    import lib.head
-    import lib.producer
+    import lib.orchestrator.producer
+    import lib.trainer.head
 
     flags = ["--steps", "2", "--micro-batch-size", "1", "--seq-len", "64", "--max-async-level", "0", *extra]
-    monkeypatch.setattr(lib.producer, "Producer", ReplayProducer)
-    monkeypatch.setattr(lib.head, "CHUNK_TOKENS", REPLAY_CHUNK_TOKENS)  # the output layer in several chunks
+    monkeypatch.setattr(lib.orchestrator.producer, "Producer", ReplayProducer)
+    monkeypatch.setattr(
+        lib.trainer.head, "CHUNK_TOKENS", REPLAY_CHUNK_TOKENS
+    )  # the output layer in several chunks
     if lora:
         on_base_weights(server.url, tiny_dir)
     one = rl.main(rl_config(tiny_dir, tmp_path / "one", server.url, *flags))
-    port = str(inference.free_port())  # other test runs may share this machine
+    port = str(launch.free_port())  # other test runs may share this machine
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port]
     args = rl_config_args(tiny_dir, tmp_path / "two", server.url, *flags)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{FIXTURES}"}
@@ -694,11 +697,11 @@ def test_rl_runs_an_upstream_shaped_endless_taskset_with_a_tool(tiny_dir, server
 def test_at_async_level_one_the_next_step_trains_while_the_servers_reload(
     tiny_dir, server, tmp_path, monkeypatch
 ):
-    import lib.head
-    from lib import reload
+    import lib.trainer.head
+    from lib.inference.weights import reload
 
     reloads, trained = {}, []
-    reload_weights, score = reload.reload_weights, lib.head.next_token_scores
+    reload_weights, score = reload.reload_weights, lib.trainer.head.next_token_scores
     followed = {"step_1", "step_2", "step_3"}  # reloads a later step of the 4 could train beside
 
     def slow_reload(urls, directory, api_key, label, **kwargs):
@@ -716,7 +719,7 @@ def test_at_async_level_one_the_next_step_trains_while_the_servers_reload(
         return score(*args, **kwargs)
 
     monkeypatch.setattr(reload, "reload_weights", slow_reload)
-    monkeypatch.setattr(lib.head, "next_token_scores", timed_scores)
+    monkeypatch.setattr(lib.trainer.head, "next_token_scores", timed_scores)
     result = rl.main(
         rl_config(tiny_dir, tmp_path / "run", server.url, "--steps", "4", "--max-async-level", "1")
     )
@@ -733,7 +736,7 @@ def test_at_async_level_one_the_next_step_trains_while_the_servers_reload(
 
 
 def test_a_reload_that_fails_beside_training_still_stops_the_run(tiny_dir, server, tmp_path, monkeypatch):
-    from lib import reload
+    from lib.inference.weights import reload
 
     reload_weights = reload.reload_weights
 
@@ -748,7 +751,7 @@ def test_a_reload_that_fails_beside_training_still_stops_the_run(tiny_dir, serve
 
 
 def test_one_reload_at_a_time(monkeypatch, tiny_dir):
-    from lib import probing, reload, sync
+    from lib.inference.weights import probing, reload, sync
 
     monkeypatch.setattr(reload, "reload_weights", lambda *args, **kwargs: time.sleep(0.5))
     monkeypatch.setattr(probing, "probe", lambda *args: probing.Probe("http://x/v1", [], [], None))
@@ -777,17 +780,17 @@ def test_reference_kl_is_zero_at_the_first_step_and_grows_after(
     """The reference is the starting weights: a frozen copy (full), the adapter off (LoRA: no model more)."""
     from replay_rl import ReplayProducer
 
-    import lib.model
-    import lib.producer
+    import lib.models.load
+    import lib.orchestrator.producer
 
-    loaded, load_trainable = [], lib.model.load_trainable
+    loaded, load_trainable = [], lib.trainer.trainable.load_trainable
 
     def counted(*args, **kwargs):
         loaded.append(load_trainable(*args, **kwargs))
         return loaded[-1]
 
-    monkeypatch.setattr(lib.producer, "Producer", ReplayProducer)
-    monkeypatch.setattr(lib.model, "load_trainable", counted)
+    monkeypatch.setattr(lib.orchestrator.producer, "Producer", ReplayProducer)
+    monkeypatch.setattr(lib.trainer.trainable, "load_trainable", counted)
     lora_flags = ["--lora.rank", "4", "--optim.lr", "1e-2"] if lora else ["--optim.lr", "3e-2"]
     if lora:
         on_base_weights(server.url, tiny_dir)
@@ -804,7 +807,7 @@ def test_a_resumed_run_rebuilds_the_reference_from_the_starting_weights(
     """Its KL at steps 3 and 4 is the uninterrupted run's: a reference read from the checkpoint would be ~0."""
     from replay_rl import ReplayProducer
 
-    import lib.producer
+    import lib.orchestrator.producer
 
     class DiesAtStep3(ReplayProducer):
         def take(self, step: int, report=print, check=None):
@@ -823,12 +826,12 @@ def test_a_resumed_run_rebuilds_the_reference_from_the_starting_weights(
         "--optim.lr",
         "3e-2",
     ]
-    monkeypatch.setattr(lib.producer, "Producer", ReplayProducer)
+    monkeypatch.setattr(lib.orchestrator.producer, "Producer", ReplayProducer)
     whole = rl.main(rl_config(tiny_dir, tmp_path / "whole", server.url, *flags))["history"]
-    monkeypatch.setattr(lib.producer, "Producer", DiesAtStep3)
+    monkeypatch.setattr(lib.orchestrator.producer, "Producer", DiesAtStep3)
     with pytest.raises(RuntimeError, match="dies before step 3"):
         rl.main(rl_config(tiny_dir, tmp_path / "resumed", server.url, *flags))
-    monkeypatch.setattr(lib.producer, "Producer", ReplayProducer)
+    monkeypatch.setattr(lib.orchestrator.producer, "Producer", ReplayProducer)
     resumed = rl.main(rl_config(tiny_dir, tmp_path / "resumed", server.url, *flags, "--resume"))["history"]
     assert len(resumed) == 2 and whole[2]["train/ref_kl"] > 1e-6
     for before, after in zip(whole[2:], resumed):

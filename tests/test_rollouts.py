@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from lib.rollouts import AdvantageConfig, Buffer, Rollout, group_advantages, is_flat
+from lib.orchestrator.rollouts import AdvantageConfig, Buffer, Rollout, group_advantages, is_flat
 
 
 def rollout(reward, version=0, length=4, first_token=0):

@@ -11,9 +11,9 @@ import sys
 import pytest
 from conftest import ROOT, load_script
 
-from lib import inference
-from lib.checkpoint import open_run, write_manifest
 from lib.config import UserError, parse, write_config
+from lib.inference import launch
+from lib.trainer.checkpoint import open_run, write_manifest
 
 
 def open_dir(cfg):
@@ -227,14 +227,14 @@ def test_a_resume_says_and_records_what_it_changes_and_refuses_another_model(tmp
 def test_resuming_a_finished_run_says_nothing_to_do_before_any_model_or_server(
     script, tiny_dir, tmp_path, capsys, monkeypatch
 ):
-    import lib.inference
-    import lib.model
+    import lib.inference.launch
+    import lib.models.load
 
     def never(*args, **kwargs):
         raise AssertionError("a finished run loaded a model or started a server")
 
-    monkeypatch.setattr(lib.model, "load_trainable", never)
-    monkeypatch.setattr(lib.inference, "start_or_attach", never)
+    monkeypatch.setattr(lib.trainer.trainable, "load_trainable", never)
+    monkeypatch.setattr(lib.inference.launch, "start_or_attach", never)
     run_dir = tmp_path / "run"
     flags = ["--model.name", str(tiny_dir), "--steps", "3"]
     open_dir(config(script, run_dir, *flags))
@@ -259,7 +259,7 @@ def test_on_two_ranks_only_rank_0_looks_at_the_run_directory(tiny_dir, tmp_path)
     (run_dir / "checkpoints" / "step_2" / "model.pt").write_bytes(b"")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{ROOT / 'tests/fixtures/hooks'}"}
     env |= {"PLAINRL_TEST_INTERLEAVE": str(tmp_path / "marks"), "WORLD_SIZE": "2"}
-    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(inference.free_port())}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(launch.free_port())}
     (tmp_path / "marks").mkdir()
     flags = ["--model.name", str(tiny_dir), "--output-dir", str(run_dir), "--resume", "--steps", "1"]
     flags += ["--batch-size", "2", "--micro-batch-size", "1"]

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, load_script
 
-from lib import endpoint, inference
+from lib import endpoint
 from lib.config import parse
+from lib.inference import launch
 
 KEY = "sk-plainrl-test-7c1d9e"
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -123,11 +124,11 @@ def test_make_refuses_a_key_on_its_command_line_in_one_sentence_that_does_not_re
 
 
 def test_serve_hands_vllm_the_key_in_its_environment_only(tiny_dir, monkeypatch):
-    import lib.vllm
+    import lib.inference.vllm
 
     serve = load_script("serve")
     launched = []
-    monkeypatch.setattr(lib.vllm, "exec_vllm", lambda command, env: launched.append((command, env)))
+    monkeypatch.setattr(lib.inference.vllm, "exec_vllm", lambda command, env: launched.append((command, env)))
     monkeypatch.setenv("PLAINRL_API_KEY", KEY)
     serve.main(parse(serve.Config, ["--model.name", str(tiny_dir), "--engine", "vllm"]))
     monkeypatch.delenv("PLAINRL_API_KEY")
@@ -174,7 +175,7 @@ def test_eval_sends_openai_api_key_only_to_an_endpoint_the_user_named(tiny_dir, 
         raise RuntimeError("no server in this test")
         yield
 
-    monkeypatch.setattr(inference, "running_server", running_server)
+    monkeypatch.setattr(launch, "running_server", running_server)
     argv = ["reverse_text", "-m", str(tiny_dir), "-n", "1", "--output-dir", str(tmp_path)]
     with pytest.raises(SystemExit):
         eval_script.main(parse(eval_script.Config, argv))
@@ -184,7 +185,7 @@ def test_eval_sends_openai_api_key_only_to_an_endpoint_the_user_named(tiny_dir, 
 def test_a_server_rl_starts_without_a_key_given_gets_one_of_its_own(tiny_dir, tmp_path, monkeypatch):
     import httpx
 
-    from lib import sync
+    from lib.inference.weights import sync
 
     monkeypatch.delenv("PLAINRL_API_KEY", raising=False)
     rl = load_script("rl")

@@ -4,11 +4,16 @@ import pytest
 from conftest import load_script
 
 from lib.config import parse
-from lib.vllm import VllmConfig, vllm_command, vllm_environment
+from lib.inference.vllm import VllmConfig, vllm_command, vllm_environment
 
 MODEL = "Qwen/Qwen3-4B"
 ENGINE_TAIL = ["--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", "--enable-scale-out"]
-ENGINE_TAIL += ["--max-logprobs", "20", "--worker-extension-cls", "lib.vllm_worker.ServedWeights"]
+ENGINE_TAIL += [
+    "--max-logprobs",
+    "20",
+    "--worker-extension-cls",
+    "lib.inference.weights.vllm_worker.ServedWeights",
+]
 COMMON_TAIL = [*ENGINE_TAIL, "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]  # an API server's
 
 
@@ -103,16 +108,18 @@ def test_bad_vllm_settings_are_one_sentence_errors(kwargs):
 def test_serve_main_hands_the_process_to_vllm_with_the_config(monkeypatch):
     import torch
 
-    import lib.tasks
-    import lib.vllm
+    import lib.inference.vllm
+    import lib.orchestrator.tasks
 
     serve = load_script("serve")
     started = {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # GPU vLLM: no CPU KV cache sizing
     monkeypatch.setattr(
-        lib.tasks, "hub_reachable", lambda: True
+        lib.models.load, "hub_reachable", lambda: True
     )  # a GPU machine with the hub: MODEL is an id
-    monkeypatch.setattr(lib.vllm, "exec_vllm", lambda cmd, env: started.update(command=cmd, env=env))
+    monkeypatch.setattr(
+        lib.inference.vllm, "exec_vllm", lambda cmd, env: started.update(command=cmd, env=env)
+    )
     monkeypatch.setenv("PLAINRL_API_KEY", "from-env")
     argv = ["--model.name", MODEL, "--engine", "vllm", "--port", "9000", "--model.dtype", "bfloat16"]
     argv += ["--vllm.tensor-parallel-size", "2", "--vllm.gpu-memory-utilization", "0.5"]
@@ -132,12 +139,14 @@ def start_on_cpu(monkeypatch, argv: list[str], free_bytes: int = 16 * 2**30) -> 
     import psutil
     import torch
 
-    import lib.vllm
+    import lib.inference.vllm
 
     serve = load_script("serve")
     started = {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(lib.vllm, "exec_vllm", lambda cmd, env: started.update(command=cmd, env=env))
+    monkeypatch.setattr(
+        lib.inference.vllm, "exec_vllm", lambda cmd, env: started.update(command=cmd, env=env)
+    )
     free = psutil.virtual_memory()._replace(available=free_bytes)
     monkeypatch.setattr(psutil, "virtual_memory", lambda: free)
     serve.main(parse(serve.Config, ["--engine", "vllm", *argv]))
@@ -149,7 +158,7 @@ def flag(command: list[str], name: str) -> str | None:
 
 
 def test_the_cpu_build_serves_the_trainers_dtype_with_a_kv_cache_sized_to_the_model(tiny_dir, monkeypatch):
-    from lib.vllm import CPU_KV_CACHE_FLOOR
+    from lib.inference.vllm import CPU_KV_CACHE_FLOOR
 
     per_token = 2 * 2 * 2 * 32 * 4  # keys and values x 2 layers x 2 heads x 32 wide x float32
     command = start_on_cpu(monkeypatch, ["--model.name", str(tiny_dir), "--max-model-len", "2048"])["command"]
@@ -188,18 +197,22 @@ def test_exec_runs_the_vllm_cli_through_plainrls_entry(monkeypatch):
     import os
     import sys
 
-    import lib.vllm
+    import lib.inference.vllm
 
     calls = []
-    monkeypatch.setattr(lib.vllm.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(lib.inference.vllm.importlib.util, "find_spec", lambda name: object())
     monkeypatch.setattr(os, "execve", lambda path, argv, env: calls.append((path, argv, env)))
-    lib.vllm.exec_vllm(["vllm", "serve", MODEL, "--port", "1"], {"A": "1"})
+    lib.inference.vllm.exec_vllm(["vllm", "serve", MODEL, "--port", "1"], {"A": "1"})
     assert calls == [
-        (sys.executable, [sys.executable, "-m", "lib.vllm", "serve", MODEL, "--port", "1"], {"A": "1"})
+        (
+            sys.executable,
+            [sys.executable, "-m", "lib.inference.vllm", "serve", MODEL, "--port", "1"],
+            {"A": "1"},
+        )
     ]
-    monkeypatch.setattr(lib.vllm.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(lib.inference.vllm.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ValueError, match="vllm is not installed"):
-        lib.vllm.exec_vllm(["vllm", "serve", MODEL], {})
+        lib.inference.vllm.exec_vllm(["vllm", "serve", MODEL], {})
 
 
 @pytest.mark.slow
@@ -210,7 +223,7 @@ def test_vllm_cli_starts_on_the_installed_build(vllm_installed):
     import sys
 
     done = subprocess.run(
-        [sys.executable, "-m", "lib.vllm", "--version"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "lib.inference.vllm", "--version"], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().startswith("0.32.0"), done.stdout

@@ -1,4 +1,4 @@
-"""The builtin server over real HTTP on the tiny model (lib/server/routes.py, lib/server/protocol.py): vLLM's routes and
+"""The builtin server over real HTTP on the tiny model (lib/inference/server/routes.py, lib/inference/server/protocol.py): vLLM's routes and
 shapes, the OpenAI and verifiers clients, sampling semantics, logprobs, reload, bad input."""
 
 import asyncio
@@ -9,7 +9,8 @@ import pytest
 import torch
 from conftest import until_decoding
 
-from lib import endpoint, inference
+from lib import endpoint
+from lib.inference import launch
 
 KEY = "test-key"
 
@@ -22,7 +23,7 @@ def server(tiny_dir, tmp_path_factory):
     log = root.parent / "serve.log"
     # One torch thread: the tiny model gains nothing from more, and two processes each spinning two OpenMP
     # threads on a 2-core machine (this one and the server) can slow both down many times over.
-    with inference.running_server(
+    with launch.running_server(
         str(tiny_dir),
         engine="auto",
         api_key=KEY,
@@ -41,7 +42,7 @@ def server(tiny_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def new_weights(server):
     """Other weights (another seed) in Hugging Face format under the weights root."""
-    from lib.tiny import TinyConfig, write_tiny
+    from lib.models.tiny import TinyConfig, write_tiny
 
     return write_tiny(server["root"] / "step_1", TinyConfig(seed=1))
 
@@ -73,7 +74,7 @@ def reload(server, directory, label: str | None = None) -> httpx.Response:
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_dir):
-    from lib.model import load_tokenizer
+    from lib.models.load import load_tokenizer
 
     return load_tokenizer(str(tiny_dir))
 
@@ -85,8 +86,8 @@ def reference_model(directory):
 
 
 def training_logprobs(model, prompt_ids, completion_ids, temperature):
-    """What the trainer computes for the completion tokens (lib/loss.py), fp32 on CPU."""
-    from lib.loss import token_logp
+    """What the trainer computes for the completion tokens (lib/trainer/loss.py), fp32 on CPU."""
+    from lib.trainer.loss import token_logp
 
     ids = torch.tensor([prompt_ids + completion_ids])
     with torch.no_grad():

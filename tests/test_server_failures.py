@@ -16,8 +16,9 @@ import time
 import pytest
 from conftest import ROOT, load_script
 
-from lib import endpoint, inference
+from lib import endpoint
 from lib.config import parse
+from lib.inference import launch
 
 pytestmark = pytest.mark.slow
 rl = load_script("rl")
@@ -29,9 +30,9 @@ NOTICE_S = 40.0
 ENGINES = ["torch", pytest.param("vllm", marks=pytest.mark.vllm)]
 
 
-def start_hidden(engine: str, model, root, name: str) -> inference.Server:
+def start_hidden(engine: str, model, root, name: str) -> launch.Server:
     """A server whose mount namespace hides `root/hidden` behind an empty tmpfs (tests run as root)."""
-    port = inference.free_port()
+    port = launch.free_port()
     hidden = root / "hidden"
     hidden.mkdir(exist_ok=True)
     serve = [sys.executable, str(ROOT / "scripts/serve.py"), "--model.name", str(model), "--port", str(port)]
@@ -45,9 +46,9 @@ def start_hidden(engine: str, model, root, name: str) -> inference.Server:
             stdout=out,
             stderr=subprocess.STDOUT,
             process_group=0,
-            preexec_fn=inference.die_with_parent,
+            preexec_fn=launch.die_with_parent,
         )
-    server = inference.Server(process, f"http://127.0.0.1:{port}/v1", log)
+    server = launch.Server(process, f"http://127.0.0.1:{port}/v1", log)
     deadline = time.monotonic() + 600
     while not endpoint.is_healthy(server.url):
         assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
@@ -69,7 +70,7 @@ def hidden_server(engine, trained_tiny, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"failures-{engine}")
     servers = []
 
-    def live() -> tuple[inference.Server, object]:
+    def live() -> tuple[launch.Server, object]:
         if not servers or servers[-1].process.poll() is not None:
             servers.append(start_hidden(engine, trained_tiny, root, f"hidden-server-{len(servers)}"))
         return servers[-1], root
@@ -191,6 +192,6 @@ def test_a_killed_server_ends_the_run_in_seconds_and_resume_continues(
         replacement = request.getfixturevalue("vllm_server")
         result = resume(trained_tiny, out, replacement.url, checkpoint + 2)
     else:
-        with inference.running_server(str(trained_tiny), engine="torch", weights_root=root) as replacement:
+        with launch.running_server(str(trained_tiny), engine="torch", weights_root=root) as replacement:
             result = resume(trained_tiny, out, replacement.url, checkpoint + 2)
     assert len(result["history"]) == 2 and (out / "checkpoints" / f"step_{checkpoint + 2}").is_dir()

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lib import inference
 from lib.config import parse
+from lib.inference import launch
 
 TEXTS = [
     "hello",
@@ -137,18 +137,18 @@ def test_resume_after_a_kill_gives_the_same_losses_and_weights(tiny_dir, data_fi
     args = ("--steps", "6", "--checkpoint-every", "3")
     full = run(*flags(tiny_dir, data_file, tmp_path / "full", *args))
 
-    import lib.checkpoint
+    import lib.trainer.checkpoint
 
-    save = lib.checkpoint.save_checkpoint
+    save = lib.trainer.checkpoint.save_checkpoint
 
     def save_then_die(*a, **kw):
         save(*a, **kw)
         raise KeyboardInterrupt  # killed right after the step-3 checkpoint
 
-    monkeypatch.setattr(lib.checkpoint, "save_checkpoint", save_then_die)
+    monkeypatch.setattr(lib.trainer.checkpoint, "save_checkpoint", save_then_die)
     with pytest.raises(KeyboardInterrupt):
         run(*flags(tiny_dir, data_file, tmp_path / "cut", *args))
-    monkeypatch.setattr(lib.checkpoint, "save_checkpoint", save)
+    monkeypatch.setattr(lib.trainer.checkpoint, "save_checkpoint", save)
     resumed = run(*flags(tiny_dir, data_file, tmp_path / "cut", *args, "--resume"))
 
     assert len(resumed["history"]) == 3
@@ -167,22 +167,22 @@ def test_ctrl_c_checkpoints_the_step_it_is_on_and_resume_continues_it(
 
     import signal
 
-    import lib.data
+    import lib.orchestrator.data
 
-    batch_indices = lib.data.batch_indices
+    batch_indices = lib.orchestrator.data.batch_indices
 
     def ctrl_c_in_step_2(step, *a):
         if step == 1:
             signal.raise_signal(signal.SIGINT)  # as a terminal's Ctrl-C does, in the middle of step 2
         return batch_indices(step, *a)
 
-    monkeypatch.setattr(lib.data, "batch_indices", ctrl_c_in_step_2)
+    monkeypatch.setattr(lib.orchestrator.data, "batch_indices", ctrl_c_in_step_2)
     before = signal.getsignal(signal.SIGINT)  # default_int_handler, or SIG_IGN under nohup
     with pytest.raises(KeyboardInterrupt):
         run(*flags(tiny_dir, data_file, tmp_path / "cut", *args))
     assert signal.getsignal(signal.SIGINT) is before  # put back
     assert [p.name for p in (tmp_path / "cut/checkpoints").iterdir()] == ["step_2"]
-    monkeypatch.setattr(lib.data, "batch_indices", batch_indices)
+    monkeypatch.setattr(lib.orchestrator.data, "batch_indices", batch_indices)
     resumed = run(*flags(tiny_dir, data_file, tmp_path / "cut", *args, "--resume"))
     assert losses(resumed["history"]) == losses(full["history"])[2:]  # bit for bit
     a, b = weights(tmp_path / "full/weights/step_5"), weights(tmp_path / "cut/weights/step_5")
@@ -225,7 +225,7 @@ def test_lora_weights_are_merged_into_the_saved_model(tiny_dir, data_file, tmp_p
 def test_two_cpu_processes_match_one(tiny_dir, data_file, tmp_path):
     args = flags(tiny_dir, data_file, tmp_path / "two", "--steps", "3", "--micro-batch-size", "1")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    port = str(inference.free_port())  # other test runs may share this machine
+    port = str(launch.free_port())  # other test runs may share this machine
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port]
     script = [*torchrun, str(ROOT / "scripts/sft.py"), *args]
     result = subprocess.run(script, capture_output=True, text=True, env=env, timeout=180)
@@ -272,16 +272,16 @@ def test_bf16_autocast_on_cpu_trains_float32_master_weights_and_tracks_float32s_
 
 
 def test_autocast_auto_is_bf16_on_a_bf16_cpu_for_wide_models_and_forceable_both_ways(monkeypatch):
-    from lib import model
-    from lib.model import ModelConfig, trains_in_bf16
+    from lib.models import load
+    from lib.models.load import ModelConfig, trains_in_bf16
 
-    wide, narrow = model.CPU_BF16_MIN_HIDDEN_SIZE, model.CPU_BF16_MIN_HIDDEN_SIZE // 2
-    monkeypatch.setattr(model, "cpu_has_bf16", lambda: True)
+    wide, narrow = load.CPU_BF16_MIN_HIDDEN_SIZE, load.CPU_BF16_MIN_HIDDEN_SIZE // 2
+    monkeypatch.setattr(load, "cpu_has_bf16", lambda: True)
     assert trains_in_bf16(ModelConfig(), "cpu", hidden_size=wide)
     assert not trains_in_bf16(ModelConfig(), "cpu", hidden_size=narrow)  # autocast's casts outweigh its gain
     assert not trains_in_bf16(ModelConfig(dtype="float32"), "cpu", hidden_size=wide)
     assert not trains_in_bf16(ModelConfig(autocast="off"), "cpu", hidden_size=wide)
-    monkeypatch.setattr(model, "cpu_has_bf16", lambda: False)  # emulated bf16 is slower than float32
+    monkeypatch.setattr(load, "cpu_has_bf16", lambda: False)  # emulated bf16 is slower than float32
     assert not trains_in_bf16(ModelConfig(), "cpu", hidden_size=wide)
     assert trains_in_bf16(ModelConfig(autocast="on"), "cpu", hidden_size=narrow)
     assert trains_in_bf16(ModelConfig(), "cuda", hidden_size=narrow)
@@ -292,10 +292,11 @@ def test_compile_auto_is_on_where_bf16_autocast_pays_on_a_cpu_with_a_compiler(mo
     import torch._inductor.cpp_builder as builder
     from torch._inductor.exc import InvalidCxxCompiler
 
-    from lib import model
-    from lib.model import ModelConfig, compiles
+    from lib.models import load
+    from lib.models.load import ModelConfig
+    from lib.trainer.trainable import compiles
 
-    wide, narrow = model.CPU_BF16_MIN_HIDDEN_SIZE, model.CPU_BF16_MIN_HIDDEN_SIZE // 2
+    wide, narrow = load.CPU_BF16_MIN_HIDDEN_SIZE, load.CPU_BF16_MIN_HIDDEN_SIZE // 2
     monkeypatch.setattr(builder, "get_cpp_compiler", lambda: "g++")
     assert compiles(ModelConfig(), "cpu", bf16_compute=True, hidden_size=wide)
     assert not compiles(ModelConfig(), "cpu", bf16_compute=True, hidden_size=narrow)  # the tiny model
@@ -313,12 +314,12 @@ def test_compile_auto_is_on_where_bf16_autocast_pays_on_a_cpu_with_a_compiler(mo
 
 def test_a_model_runs_in_the_dtype_its_trainer_computes_in(monkeypatch):
     """What servers load and trainers write (serve.py and load_trainable both ask runs_in_dtype)."""
-    from lib import model
-    from lib.model import ModelConfig, runs_in_dtype
+    from lib.models import load
+    from lib.models.load import ModelConfig, runs_in_dtype
 
-    wide, narrow = model.CPU_BF16_MIN_HIDDEN_SIZE, model.CPU_BF16_MIN_HIDDEN_SIZE // 2
+    wide, narrow = load.CPU_BF16_MIN_HIDDEN_SIZE, load.CPU_BF16_MIN_HIDDEN_SIZE // 2
     for native in (True, False):  # both paths, whatever this CPU has
-        monkeypatch.setattr(model, "cpu_has_bf16", lambda native=native: native)
+        monkeypatch.setattr(load, "cpu_has_bf16", lambda native=native: native)
         assert runs_in_dtype(ModelConfig(), "cpu", wide) == ("bfloat16" if native else "float32")
         assert runs_in_dtype(ModelConfig(), "cpu", narrow) == "float32"  # the tiny model
         assert runs_in_dtype(ModelConfig(autocast="on"), "cpu", narrow) == "bfloat16"
@@ -334,7 +335,7 @@ def test_benchmarks_name_the_cpu_by_model_and_family_and_count_its_cores():
     import re
     from pathlib import Path
 
-    from lib.model import cpu_name
+    from lib.models.load import cpu_name
 
     text = Path("/proc/cpuinfo").read_text()
     model_name = re.search(r"^model name\s*:\s*(.*)$", text, re.M).group(1).strip()

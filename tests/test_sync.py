@@ -1,4 +1,4 @@
-"""Weight sync against the builtin server (lib/sync.py): a failed reload resumes the server and names it,
+"""Weight sync against the builtin server (lib/inference/weights/sync.py): a failed reload resumes the server and names it,
 the probe's verdicts, rollouts too long for a training row, the weights' label, a tied output layer refreshed."""
 
 import shutil
@@ -8,8 +8,10 @@ import httpx
 import pytest
 from conftest import ROOT, load_script, until_decoding
 
-from lib import endpoint, inference, probing, reload, sync
+from lib import endpoint
 from lib.config import UserError, parse
+from lib.inference import launch
+from lib.inference.weights import probing, reload, sync
 
 rl = load_script("rl")
 sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
@@ -18,7 +20,7 @@ sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("sync-root")
-    with inference.running_server(
+    with launch.running_server(
         str(tiny_dir), engine="torch", weights_root=root, log_path=root / "s.log"
     ) as s:
         yield s, root
@@ -119,7 +121,7 @@ def test_the_probe_stops_a_run_on_other_weights_or_a_disagreeing_server():
 
 
 def test_a_dead_or_silent_server_is_one_sentence(tmp_path):
-    gone = f"http://127.0.0.1:{inference.free_port()}/v1"
+    gone = f"http://127.0.0.1:{launch.free_port()}/v1"
     with pytest.raises(ValueError, match="is not reachable .*did it stop"):
         endpoint.check_servers([gone])
     with httpx.Client() as http, pytest.raises(ValueError, match="is not reachable"):
@@ -150,14 +152,14 @@ def test_a_server_with_a_longer_context_is_asked_for_rollouts_that_fit_a_trainin
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_a_tied_model_has_its_output_layer_refreshed_after_each_reload(tied, tmp_path, monkeypatch):
-    """vLLM's CPU build keeps a packed copy of a tied output layer (lib/vllm_worker.py ServedWeights); a
+    """vLLM's CPU build keeps a packed copy of a tied output layer (lib/inference/weights/vllm_worker.py ServedWeights); a
     server without that method stops the run with one sentence that says how to start it."""
     import json
 
     import torch
     from safetensors.torch import save_file
 
-    from lib import fingerprint
+    from lib.inference.weights import fingerprint
 
     weights = tmp_path / "step_1"
     weights.mkdir()
@@ -189,9 +191,9 @@ def test_a_tied_model_has_its_output_layer_refreshed_after_each_reload(tied, tmp
         return
     with pytest.raises(UserError) as stopped:
         reload.reload_weights(["http://server:1/v1"], weights, None, "step_1")
-    assert "--worker-extension-cls lib.vllm_worker.ServedWeights" in str(stopped.value) and "\n" not in str(
+    assert "--worker-extension-cls lib.inference.weights.vllm_worker.ServedWeights" in str(
         stopped.value
-    )
+    ) and "\n" not in str(stopped.value)
     order = [path if method is None else method for path, method in calls]
     assert order[:3] == ["/pause", "reload_weights", "refresh_tied_output_layer"] and order[-1] == "/resume"
 
@@ -199,7 +201,8 @@ def test_a_tied_model_has_its_output_layer_refreshed_after_each_reload(tied, tmp
 def test_publish_writes_the_weights_has_the_server_load_them_and_probes_it(server, tiny_dir):
     import torch
 
-    from lib.model import LoraConfig, ModelConfig, load_tokenizer, load_trainable
+    from lib.models.load import ModelConfig, load_tokenizer
+    from lib.trainer.trainable import LoraConfig, load_trainable
 
     running, root = server
     model, save_dtype, autocast = load_trainable(

@@ -1,4 +1,4 @@
-"""lib/tasks.py: taskset ids and arguments, synthetic and hub data, tasks drawn lazily by index, task ids, SFT conversations."""
+"""lib/orchestrator/tasks.py: taskset ids and arguments, synthetic and hub data, tasks drawn lazily by index, task ids, SFT conversations."""
 
 import sys
 import time
@@ -7,9 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from lib.envs import load_env, load_tasks
-from lib.tasks import EnvConfig, TaskStream, hf_rows, resolve_id, sft_conversations, task_id, taskset_args
-from lib.tiny import CHARACTERS
+from lib.models.tiny import CHARACTERS
+from lib.orchestrator.envs import load_env, load_tasks
+from lib.orchestrator.tasks import (
+    EnvConfig,
+    TaskStream,
+    hf_rows,
+    resolve_id,
+    sft_conversations,
+    task_id,
+    taskset_args,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -183,8 +191,8 @@ def test_a_misspelt_env_id_fails_before_servers_start_or_a_run_directory_is_made
 
 
 def test_env_ids_are_checked_in_mixtures_and_sft_data_may_be_files_or_datasets():
-    from lib.data import check_data
-    from lib.tasks import check_env_ids
+    from lib.orchestrator.data import check_data
+    from lib.orchestrator.tasks import check_env_ids
 
     with pytest.raises(ValueError, match=r"reverse_txt is not .*\(did you mean reverse_text\?\)"):
         check_env_ids(EnvConfig(id="reverse_txt"))
@@ -202,7 +210,7 @@ def test_env_ids_are_checked_in_mixtures_and_sft_data_may_be_files_or_datasets()
 def test_an_own_taskset_missing_from_a_source_tree_says_how_to_install_it(monkeypatch):
     # Seen running from a source tree that was never installed: "reverse_text is not an installed verifiers
     # taskset (did you mean reverse_text?)".
-    from lib import tasks
+    from lib.orchestrator import tasks
 
     monkeypatch.setattr(tasks, "module_found", lambda name: False)
     with pytest.raises(ValueError) as error:
@@ -217,7 +225,7 @@ def test_an_environment_file_gives_tasks_and_sft_conversations_and_its_mistakes_
 ):
     from conftest import docs_env_file
 
-    from lib.tasks import check_env_ids
+    from lib.orchestrator.tasks import check_env_ids
 
     path = docs_env_file(tmp_path)
     env = EnvConfig(id=str(path), num_examples=3)
@@ -245,8 +253,8 @@ def test_an_environment_file_loads_by_any_path_in_every_script(tmp_path, monkeyp
     # supported), so only a bare my_env.py in the working directory worked.
     from conftest import docs_env_file
 
-    from lib.data import check_data, load_conversations
-    from lib.tasks import check_env_ids
+    from lib.orchestrator.data import check_data, load_conversations
+    from lib.orchestrator.tasks import check_env_ids
 
     (tmp_path / "envs").mkdir()
     path = docs_env_file(tmp_path / "envs")
@@ -309,7 +317,7 @@ def test_an_environment_files_reward_must_be_a_finite_number(tmp_path):
 
 def test_an_environment_file_with_fewer_examples_than_a_step_takes_is_refused(tmp_path):
     from lib.config import UserError
-    from lib.tasks import check_env_ids
+    from lib.orchestrator.tasks import check_env_ids
 
     empty, three = tmp_path / "empty.py", tmp_path / "three.py"
     rewards = "\n\ndef reward(completion, example):\n    return 1.0\n"

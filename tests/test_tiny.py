@@ -6,7 +6,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lib.tiny import CHARACTERS, TinyConfig, write_tiny
+from lib.models.tiny import CHARACTERS, TinyConfig, write_tiny
 
 
 def test_save_load_round_trip_gives_identical_logits(tiny_dir):

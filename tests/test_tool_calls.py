@@ -6,7 +6,7 @@ import asyncio
 import pytest
 from oracle import oracle_app, serve
 
-from lib.envs import (
+from lib.orchestrator.envs import (
     EnvConfig,
     episode_error,
     episode_reward,
@@ -17,8 +17,8 @@ from lib.envs import (
     serving,
     training_samples,
 )
+from lib.orchestrator.tasks import sft_conversations
 from lib.sampling import SamplingConfig
-from lib.tasks import sft_conversations
 
 
 @pytest.fixture
@@ -103,12 +103,13 @@ def test_tool_round_trip_scores_one_and_tool_results_carry_no_loss(train, script
 def engine_playing_tool_caller(request, tool_caller, tmp_path_factory):
     """A real engine serving tool_caller as "policy": the builtin one, or the shared vLLM server with those
     weights loaded (trained_tiny goes back after)."""
-    from lib import inference, reload
+    from lib.inference import launch
+    from lib.inference.weights import reload
 
     if request.param == "torch":
         log = tmp_path_factory.mktemp("builtin") / "serve.log"
         extra = ["--model.dtype", "float32", "--served-model-name", "policy"]
-        with inference.running_server(
+        with launch.running_server(
             str(tool_caller), engine="torch", log_path=log, extra_args=extra
         ) as server:
             yield server

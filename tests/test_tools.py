@@ -1,6 +1,6 @@
-"""lib/server/tools.py: tool calls in the Qwen (Hermes) text format split into content and OpenAI tool_calls."""
+"""lib/inference/server/tools.py: tool calls in the Qwen (Hermes) text format split into content and OpenAI tool_calls."""
 
-from lib.server.tools import parse_tool_calls
+from lib.inference.server.tools import parse_tool_calls
 
 
 def test_tool_call_text_parses_into_content_and_openai_calls():

@@ -1,4 +1,4 @@
-"""In-memory weight sync (lib/transfer.py): rl.py broadcasts each step's weights into the servers' memory over a
+"""In-memory weight sync (lib/inference/weights/transfer.py): rl.py broadcasts each step's weights into the servers' memory over a
 group (the builtin engine, vLLM's CPU build with plainrl's gloo engine), checked by the fingerprint; a server
 killed or frozen mid-transfer, and a trainer killed mid-transfer, end in bounded time."""
 
@@ -13,9 +13,10 @@ import pytest
 import torch
 from conftest import ROOT, load_script
 
-from lib import group, inference, transfer
 from lib.config import parse
-from lib.model import load_tokenizer
+from lib.inference import launch
+from lib.inference.weights import group, sync, transfer
+from lib.models.load import load_tokenizer
 
 rl = load_script("rl")
 sys.path.insert(0, str(ROOT / "tests" / "fixtures"))  # letter_taskset
@@ -42,13 +43,13 @@ def test_auto_sends_in_memory_to_a_server_rl_starts_on_a_cpu_and_from_the_disk_e
     args = memory_args(tiny_dir, out, "http://127.0.0.1:9/v1")[:-2]  # weight_sync left at auto
     attached = parse(rl.Config, args)
     assert attached.inference.weight_sync == "auto"
-    assert inference.weight_sync_mode(attached, "cpu", adapter=False) == "disk"  # attached: a file
+    assert sync.weight_sync_mode(attached, "cpu", adapter=False) == "disk"  # attached: a file
     own = parse(rl.Config, [arg for arg in args if arg not in ("--inference.urls", "http://127.0.0.1:9/v1")])
-    assert inference.weight_sync_mode(own, "cpu", adapter=False) == "memory"
-    assert inference.weight_sync_mode(own, "cpu", adapter=True) == "disk"  # a LoRA adapter
-    assert inference.weight_sync_mode(own, "cuda:0", adapter=False) == "disk"  # one GPU, two NCCL ranks
+    assert sync.weight_sync_mode(own, "cpu", adapter=False) == "memory"
+    assert sync.weight_sync_mode(own, "cpu", adapter=True) == "disk"  # a LoRA adapter
+    assert sync.weight_sync_mode(own, "cuda:0", adapter=False) == "disk"  # one GPU, two NCCL ranks
     own.inference.weight_sync = "disk"
-    assert inference.weight_sync_mode(own, "cpu", adapter=False) == "disk"  # asked for: kept
+    assert sync.weight_sync_mode(own, "cpu", adapter=False) == "disk"  # asked for: kept
     # A run that starts its own builtin server goes in memory: weights/step_1 is never written.
     own.inference.weight_sync = "auto"
     own.inference.engine, own.checkpoint_every = "torch", 5
@@ -64,7 +65,7 @@ def elsewhere(tiny_dir, tmp_path_factory):
     """A builtin engine that can load no run directory from the disk (its weights root is a directory of its
     own), as a server on another machine without a shared file system."""
     root = tmp_path_factory.mktemp("elsewhere")
-    with inference.running_server(str(tiny_dir), engine="torch", weights_root=root / "own") as server:
+    with launch.running_server(str(tiny_dir), engine="torch", weights_root=root / "own") as server:
         yield server
 
 
@@ -79,7 +80,7 @@ def served_logprobs(url: str, model: str, prompt: list[int]) -> tuple[list[int],
 def test_memory_sync_needs_no_shared_directory_and_serves_the_trainers_weights(
     async_level, elsewhere, tiny_dir, tmp_path
 ):
-    """On-policy, and beside the next step's training (lib/sync.py Reloader), the default."""
+    """On-policy, and beside the next step's training (lib/inference/weights/sync.py Reloader), the default."""
     out = tmp_path / "run"
     args = memory_args(
         tiny_dir, out, elsewhere.url, "--checkpoint-every", "5", "--max-async-level", async_level
@@ -110,7 +111,7 @@ def test_two_servers_on_two_loopback_nodes_without_a_shared_directory_take_every
 ):
     """A second "node": a builtin engine bound to 127.0.0.2 with a weights root of its own, beside the one on
     127.0.0.1; the group spans both (ranks 1 and 2) and each server is fingerprinted after every step."""
-    port = inference.free_port()
+    port = launch.free_port()
     command = [
         sys.executable,
         str(ROOT / "scripts/serve.py"),
@@ -122,12 +123,12 @@ def test_two_servers_on_two_loopback_nodes_without_a_shared_directory_take_every
     command += ["--host", "127.0.0.2", "--port", str(port), "--weights-root", str(tmp_path / "own")]
     log = open(tmp_path / "second.log", "wb")
     second = subprocess.Popen(
-        command, stdout=log, stderr=subprocess.STDOUT, env=inference.server_environment(None, 1)
+        command, stdout=log, stderr=subprocess.STDOUT, env=launch.server_environment(None, 1)
     )
     url = f"http://127.0.0.2:{port}/v1"
     try:
         deadline = time.monotonic() + 120
-        while not inference.is_healthy(url, None):
+        while not launch.is_healthy(url, None):
             assert second.poll() is None and time.monotonic() < deadline, (
                 tmp_path / "second.log"
             ).read_text()
@@ -166,10 +167,10 @@ def test_an_attached_server_restarted_between_steps_is_found_and_the_group_forme
 ):
     """A server restarted between two syncs holds no group: the next sync says the server restarted, forms
     the group again as at the start, and the run goes on in memory (a disk sync survives the same restart)."""
-    port, root = inference.free_port(), tmp_path / "own"
+    port, root = launch.free_port(), tmp_path / "own"
 
-    def start(name: str) -> inference.Server:
-        return inference.start_server(
+    def start(name: str) -> launch.Server:
+        return launch.start_server(
             str(tiny_dir), port, engine="torch", weights_root=root, log_path=tmp_path / f"{name}.log"
         )
 
@@ -202,7 +203,7 @@ def test_the_rendezvous_listens_on_loopback_alone_when_every_server_is_local():
 
     local = ["http://127.0.0.1:8000/v1", "http://127.0.0.2:8001/v1", "http://localhost:8002/v1"]
     assert transfer.rendezvous_address([*local, "http://[::1]:8003/v1"]) == "127.0.0.1"
-    port = inference.free_port()
+    port = launch.free_port()
     member = group.join("127.0.0.1", port, rank=0, world_size=1, backend="gloo", timeout_s=30)
     listening = {c.laddr for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN}
     assert ("127.0.0.1", port) in listening, listening
@@ -238,7 +239,7 @@ def midway(monkeypatch, act) -> dict:
 def test_a_server_killed_or_frozen_mid_transfer_ends_the_run_in_one_sentence(
     fault, tiny_dir, tmp_path, monkeypatch
 ):
-    with inference.running_server(str(tiny_dir), engine="torch", weights_root=tmp_path / "own") as server:
+    with launch.running_server(str(tiny_dir), engine="torch", weights_root=tmp_path / "own") as server:
         stop = signal.SIGKILL if fault == "kill" else signal.SIGSTOP
         sent = midway(monkeypatch, lambda: os.kill(server.process.pid, stop))
         try:
@@ -273,7 +274,7 @@ def test_an_update_that_moved_nothing_stops_at_the_fingerprint(elsewhere, tiny_d
 TRAINER = """
 import os, sys, torch
 sys.path.insert(0, {root!r})
-from lib import group
+from lib.inference.weights import group
 g = group.join("127.0.0.1", {port}, 0, 2, "gloo", 30)
 group.broadcast(g, torch.zeros({shape}, dtype=torch.{dtype}))
 os._exit(0)  # killed mid-transfer: the rest never comes
@@ -291,7 +292,7 @@ def test_a_trainer_gone_mid_transfer_leaves_the_server_serving_and_ready_for_a_n
         "dtype_names": [str(weights[n].dtype).removeprefix("torch.") for n in names],
         "shapes": [list(weights[n].shape) for n in names],
     }
-    port = inference.free_port()
+    port = launch.free_port()
     first = weights[names[0]]
     script = TRAINER.format(
         root=str(ROOT), port=port, shape=tuple(first.shape), dtype=str(first.dtype).removeprefix("torch.")
@@ -326,7 +327,7 @@ def test_a_trainer_gone_mid_transfer_leaves_the_server_serving_and_ready_for_a_n
 @pytest.mark.vllm
 def test_vllm_takes_the_weights_in_memory_through_plainrls_gloo_engine(vllm_server, trained_tiny, tmp_path):
     """Against real vLLM (its CPU build): the engine registered by plainrl, driven over vLLM's own routes."""
-    from lib import reload
+    from lib.inference.weights import reload
 
     out = tmp_path / "run"
     try:
@@ -352,7 +353,7 @@ def test_vllms_own_nccl_engine_on_the_cpu_build_stops_the_run_naming_the_server(
     fingerprint (test_an_update_that_moved_nothing_stops_at_the_fingerprint)."""
     extra = ["--model.dtype", "float32", "--vllm.cpu-kv-cache-gib", "1", "--max-model-len", "1024"]
     extra += ["--vllm.weight-transfer-backend", "nccl"]
-    with inference.running_server(
+    with launch.running_server(
         str(tiny_dir), engine="vllm", log_path=tmp_path / "vllm.log", extra_args=extra
     ) as server:
         args = memory_args(
@@ -374,7 +375,7 @@ def test_vllms_own_nccl_engine_on_the_cpu_build_stops_the_run_naming_the_server(
 @pytest.mark.vllm
 def test_the_plugin_entry_point_registers_plainrls_engine_with_vllm(vllm_installed):
     """What vLLM's load_general_plugins runs in each of its processes, read from pyproject.toml (an editable
-    install made before the entry point existed does not list it, so lib/vllm_worker.py registers it as
+    install made before the entry point existed does not list it, so lib/inference/weights/vllm_worker.py registers it as
     well)."""
     import importlib
     import tomllib

@@ -4,7 +4,7 @@ each engine's sampled logprobs equal the other engine's for the same tokens, at 
 
 The other engine scores a completion as a prompt: vLLM's `prompt_logprobs` over the whole vocabulary (the
 raw distribution), and for the builtin engine, which serves no prompt_logprobs, the forward it runs
-(transformers, fp32). Temperature, top-k and top-p are then applied to it as lib/server/decode.py applies them, so
+(transformers, fp32). Temperature, top-k and top-p are then applied to it as lib/inference/server/decode.py applies them, so
 vLLM's sampled logprobs check that filter too.
 """
 
@@ -14,7 +14,8 @@ import httpx
 import pytest
 import torch
 
-from lib import endpoint, inference
+from lib import endpoint
+from lib.inference import launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -26,15 +27,13 @@ PROMPTS = ["hello world", "a quick brown fox", "reinforcement", "tiny model"]
 def builtin_server(trained_tiny, tmp_path_factory):
     log = tmp_path_factory.mktemp("builtin") / "serve.log"
     extra = ["--model.dtype", "float32", "--max-logprobs", "128", "--served-model-name", NAME]
-    with inference.running_server(
-        str(trained_tiny), engine="torch", log_path=log, extra_args=extra
-    ) as server:
+    with launch.running_server(str(trained_tiny), engine="torch", log_path=log, extra_args=extra) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def servers(vllm_server, builtin_server, trained_tiny):
-    from lib import reload
+    from lib.inference.weights import reload
 
     # The shared vLLM server may hold another test's weights: both engines start from trained_tiny.
     reload.reload_weights([vllm_server.url], trained_tiny, None, "default")
@@ -243,7 +242,7 @@ def full_distribution(engine: str, servers, model_dir, token_ids: list[int], voc
 def test_sampled_logprobs_agree_across_engines(servers, trained_tiny, temperature, top_p, top_k):
     from transformers import AutoConfig
 
-    from lib.server.decode import processed_logprobs
+    from lib.inference.server.decode import processed_logprobs
 
     vocab_size = AutoConfig.from_pretrained(trained_tiny).vocab_size
     worst = 0.0

@@ -60,7 +60,9 @@ def test_rl_starts_its_own_vllm_survives_kill_9_and_resumes(vllm_installed, trai
             assert time.monotonic() < deadline, "no checkpoint after 10 minutes"
             time.sleep(0.2)
         started = psutil.Process(job.pid).children(recursive=True)  # the server: serve.py became vLLM
-        assert any("lib.vllm" in " ".join(p.cmdline()) for p in started), [p.cmdline() for p in started]
+        assert any("lib.inference.vllm" in " ".join(p.cmdline()) for p in started), [
+            p.cmdline() for p in started
+        ]
         job.kill()
         job.wait()
         gone, alive = psutil.wait_procs(started, timeout=60)
@@ -83,7 +85,7 @@ def test_rl_starts_its_own_vllm_survives_kill_9_and_resumes(vllm_installed, trai
 def test_an_attached_vllm_server_gets_the_runs_starting_weights(
     vllm_server, tiny_dir, trained_tiny, tmp_path
 ):
-    from lib import reload
+    from lib.inference.weights import reload
 
     # Leave the server on other weights (the untrained tiny model), as an earlier run would.
     other = tmp_path / "other"
@@ -123,7 +125,7 @@ def test_three_turn_training_tokens_are_the_ones_vllm_echoed(vllm_server, traine
 
     import renderers.client
 
-    from lib import envs
+    from lib.orchestrator import envs
     from lib.sampling import SamplingConfig
 
     echoed = []
@@ -163,7 +165,7 @@ def test_three_turn_training_tokens_are_the_ones_vllm_echoed(vllm_server, traine
 
 
 def test_a_lora_step_reaches_vllm_as_merged_weights(vllm_server, trained_tiny, tmp_path):
-    from lib import probing
+    from lib.inference.weights import probing
 
     args = run_args(trained_tiny, tmp_path / "run", "--inference.urls", vllm_server.url, "--steps", "1")
     args += ["--lora.rank", "4", "--optim.lr", "5e-2", "--inference.lora-sync", "merged"]

@@ -1,0 +1,377 @@
+"""The builtin engine's decode step: left-padded KV rows, prefill and decode, sampling, stop detection."""
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from lib.inference.server.kv import kv_cache, layer_states, selected
+
+# What JSON carries instead of -inf (a filtered-out token's logprob), as vLLM does.
+LOGPROB_FLOOR = -9999.0
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """What one request asks for (vLLM's names); the server builds it from a validated HTTP body."""
+
+    max_tokens: int
+    """Most new tokens per sequence."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 = greedy."""
+    top_p: float = 1.0
+    """Nucleus mass kept (1 = off)."""
+    top_k: int = -1
+    """Keep only the k most likely tokens (-1 = off)."""
+    n: int = 1
+    """Sequences sampled from the prompt."""
+    seed: int | None = None
+    """Seed of this request's own generator (sequence i uses seed + i); None = the engine's generator."""
+    stop: list[str] = dataclasses.field(default_factory=list)
+    """Strings that end a sequence; the text is cut before them, the tokens are kept (as in vLLM)."""
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    """Token ids that end a sequence; the token is kept."""
+    ignore_eos: bool = False
+    """Keep going past the end-of-sequence token (benchmarks)."""
+    top_logprobs: int = 0
+    """Also return the k most likely tokens at every step."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the text."""
+    include_stop_str_in_output: bool = False
+    """Keep the matched stop string at the end of the text."""
+    sampling_mask: bool = False
+    """Also return each sampled token's kept set: the ids top-k/top-p left (vLLM's --return-sampling-mask)."""
+
+
+@dataclasses.dataclass
+class Completion:
+    """One finished sequence."""
+
+    token_ids: list[int]
+    """Sampled tokens, the one that stopped the sequence included."""
+    logprobs: list[float]
+    """Logprob of each sampled token under the distribution it was drawn from."""
+    ranks: list[int]
+    """Rank of each sampled token in that distribution (1 = the most likely), as vLLM reports it."""
+    top_logprobs: list[list[tuple[int, float]]]
+    """Per step, the k most likely (token id, logprob) pairs; empty when none were asked for."""
+    text: str
+    """The decoded tokens, cut at the stop string."""
+    finish_reason: str
+    """stop (end token, stop token or stop string) or length (max_tokens)."""
+    stop_reason: int | str | None
+    """The stop token id or stop string that ended the sequence (None for the end-of-sequence token)."""
+    weight_versions: list[tuple[str, int, int]]
+    """(label, start, end): tokens [start, end) were sampled by the weights labelled so (vLLM's spans)."""
+    sampling_mask: list[list[int]] | None = None
+    """Per sampled token, the ids its top-k/top-p step kept, ascending (vLLM's `sampling_mask`); None unless asked."""
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One sequence being generated, and what it has produced so far."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    end_ids: frozenset[int]
+    request: object  # the engine's request this sequence answers (decoding never reads it)
+    index: int  # its place among the request's n sequences
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    ranks: list[int] = dataclasses.field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    # Per token, when params.sampling_mask: the ids the filter kept.
+    kept_ids: list[list[int]] = dataclasses.field(default_factory=list)
+    text: str | None = None
+    version_starts: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # (label, first token)
+
+
+@dataclasses.dataclass(eq=False)
+class Batch:
+    """The sequences decoded together, and their per-row state. Row i of every tensor is seqs[i]."""
+
+    seqs: list[Sequence]
+    cache: DynamicCache  # kv.py kv_cache's
+    attention_mask: torch.Tensor  # (B, T), 0 on left padding
+    positions: torch.Tensor  # (B,) position id of next_tokens
+    temperature: torch.Tensor  # (B,) 1 for greedy rows
+    top_k: torch.Tensor  # (B,) vocabulary size when off
+    top_p: torch.Tensor  # (B,)
+    greedy: torch.Tensor  # (B,) bool
+    next_tokens: torch.Tensor | None = None  # (B,) sampled, not yet fed to the model
+
+
+ROW_TENSORS = ("positions", "temperature", "top_k", "top_p", "greedy", "next_tokens")
+
+
+Finished = list[tuple[Sequence, Completion]]
+
+
+def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Sets logits outside each row's top-k, then outside its top-p nucleus, to -inf, by vLLM's CPU rules
+    (lib/sampling.py kept_mask: every tie at the k-th value kept, top-p on the ascending cumulative sum). As
+    in vLLM, a step no row of the batch uses (top_k = V, top_p = 1 everywhere) is skipped for all rows."""
+    from lib.sampling import kept_mask
+
+    top_k = None if bool((top_k >= logits.shape[-1]).all()) else top_k
+    top_p = None if bool((top_p >= 1).all()) else top_p
+    return logits.masked_fill(~kept_mask(logits, top_k, top_p), float("-inf"))
+
+
+# Tokens a span of draw's search holds.
+SPAN = 256
+
+
+def draw(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """A token a row from exp(logprobs) (B, V), by inverse transform: the first token whose cumulative
+    probability passes the row's uniform number in [0, 1) (B,). The same distribution as vLLM's exponential
+    race, argmax(p / E) with E ~ Exp(1), at one random number a row instead of one a token (Exp(1) noise for
+    64 rows of SmolLM2's 49,152 tokens took a third of a decode step on a CPU). The search runs in two
+    levels: float32 sums of SPAN tokens, added up in float64 over the spans, pick a span; a float64
+    cumulative sum inside it picks the token, at the same share of the span's mass. The two levels' totals
+    differ by the float32 sum's rounding (~1e-7 of the span's); the share spreads it over the span's tokens
+    in proportion, so each is drawn with its probability to that relative precision (and 1e-16 of float64),
+    however small it is, and a token of probability 0 (filtered out) is never drawn. A float64 cumulative sum of the whole
+    vocabulary took 1.8x as long (64 rows of SmolLM2, one thread)."""
+    probs = logprobs.exp()  # (B, V)
+    if probs.shape[-1] % SPAN:
+        probs = F.pad(probs, (0, SPAN - probs.shape[-1] % SPAN))  # zeros are never drawn
+    spans = probs.unflatten(-1, (-1, SPAN))  # (B, spans, SPAN)
+    cumulative = spans.sum(-1).double().cumsum_(-1)  # (B, spans): float32 sums of SPAN terms
+    total = cumulative[:, -1:]  # (B, 1): 1 up to rounding
+    target = torch.minimum(
+        uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total))
+    )  # (B, 1), < total
+    span = torch.searchsorted(cumulative, target, right=True)  # (B, 1): a span of probability > 0
+    before = torch.where(span > 0, cumulative.gather(-1, (span - 1).clamp(min=0)), 0.0)  # (B, 1)
+    share = (target - before) / (cumulative.gather(-1, span) - before)  # (B, 1): in [0, 1]
+    inside = (
+        spans.gather(1, span[..., None].expand(-1, -1, SPAN)).squeeze(1).double().cumsum_(-1)
+    )  # (B, SPAN)
+    last = inside[:, -1:]  # (B, 1)
+    at = torch.searchsorted(
+        inside, torch.minimum(share * last, torch.nextafter(last, torch.zeros_like(last))), right=True
+    )  # (B, 1)
+    return (span * SPAN + at).squeeze(-1)  # (B,)
+
+
+def processed_logprobs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, filtered: bool
+) -> torch.Tensor:
+    """Log-probabilities of the distribution each row samples from: logits / temperature, top-k, top-p, renormalised.
+
+    This is vLLM's `--logprobs-mode processed_logprobs`. Greedy rows must come with temperature 1 and no
+    filtering: greedy decoding has no sampling distribution, so it reports the plain softmax (the
+    model's own probability of the argmax token).
+    """
+    scaled = logits.float()  # (B, V)
+    if not bool((temperature == 1).all()):  # a pass over (B, V) that RL's temperature 1 does without
+        scaled = scaled / temperature[:, None]
+    if filtered:
+        scaled = filter_top_k_top_p(scaled, top_k, top_p)
+    return torch.log_softmax(scaled, dim=-1)
+
+
+class Decoder:
+    """Runs the model over a batch: every row carries its own attention mask and position ids, so a
+    sequence's logits do not depend on what it is batched with."""
+
+    def __init__(self, model, pad_id: int, detokenize: Callable[[list[int], bool], str], seed: int):
+        self.model = model
+        self.pad_id = pad_id
+        self.detokenize = detokenize  # (token ids, skip_special_tokens) -> text
+        self.device = next(model.parameters()).device
+        self.vocab_size = model.config.vocab_size
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        # lib/models/load.py's CPU attention reads a float32 cache in blocks without casting it each step (kv.py).
+        self.blocks = model.config._attn_implementation == "plainrl_grouped_sdpa"
+        self.cache_dtype = torch.float32 if self.blocks else None
+
+    def step(self, batch: Batch | None, new: list[Sequence], label: str) -> tuple[Batch | None, Finished]:
+        """Prefills `new` into `batch` and decodes one token for every row: the batch that goes on, and the
+        sequences that finished with their completions. `label` names the weights that sample."""
+        finished = []
+        if new:
+            batch = self.join(batch, self.prefill(new, label, finished))
+        if batch is not None:
+            batch = self.decode(batch, label, finished)
+        return batch, finished
+
+    def recompute(self, batch: Batch) -> None:
+        """Recomputes the batch's KV under the current weights (all but the sampled, not yet fed, token)."""
+        batch.cache, batch.attention_mask, _ = self.forward(
+            [seq.prompt_ids + seq.token_ids[:-1] for seq in batch.seqs]
+        )
+
+    def forward(self, histories: list[list[int]]) -> tuple[object, torch.Tensor, torch.Tensor]:
+        """Runs the model over token lists, left-padded: their KV cache, attention mask and last logits. Equal
+        lists (a group's rollouts share their prompt) run once, and their rows are copied."""
+        rows = {ids: row for row, ids in enumerate(dict.fromkeys(map(tuple, histories)))}
+        if len(rows) < len(histories):
+            cache, mask, logits = self.forward([list(ids) for ids in rows])
+            index = torch.tensor([rows[tuple(ids)] for ids in histories], device=self.device)
+            return selected(cache, index)[0], mask[index], logits[index]
+        width = max(len(ids) for ids in histories)
+        ids = torch.tensor([[self.pad_id] * (width - len(h)) + h for h in histories], device=self.device)
+        mask = torch.tensor([[0] * (width - len(h)) + [1] * len(h) for h in histories], device=self.device)
+        # Every row counts positions from 0 at its first real token, whatever its padding.
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
+        cache = self.cache()
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return cache, mask, out.logits[:, -1]
+
+    def prefill(self, seqs: list[Sequence], label: str, finished: Finished) -> Batch | None:
+        cache, mask, logits = self.forward([seq.prompt_ids for seq in seqs])
+        settings = []  # (temperature, top_k, top_p) per row
+        for seq in seqs:
+            params = seq.params
+            if params.temperature == 0:  # greedy: temperature 1 and no filter report the plain softmax
+                settings.append((1.0, self.vocab_size, 1.0))
+            else:
+                top_k = params.top_k if params.top_k > 0 else self.vocab_size
+                settings.append((params.temperature, top_k, params.top_p))
+        greedy = torch.tensor([seq.params.temperature == 0 for seq in seqs], device=self.device)
+        temperature, top_k, top_p = (torch.tensor(column, device=self.device) for column in zip(*settings))
+        lengths = torch.tensor([len(seq.prompt_ids) for seq in seqs], device=self.device)
+        batch = Batch(seqs, cache, mask, lengths, temperature, top_k, top_p, greedy)
+        return self.sample(batch, logits, label, finished)
+
+    def decode(self, batch: Batch, label: str, finished: Finished) -> Batch | None:
+        batch.attention_mask = torch.cat(
+            [batch.attention_mask, batch.attention_mask.new_ones(len(batch.seqs), 1)], dim=1
+        )
+        out = self.model(
+            input_ids=batch.next_tokens[:, None],
+            attention_mask=batch.attention_mask,
+            position_ids=batch.positions[:, None],
+            past_key_values=batch.cache,
+            use_cache=True,
+        )
+        batch.positions = batch.positions + 1
+        return self.sample(batch, out.logits[:, -1], label, finished)
+
+    def sample(self, batch: Batch, logits: torch.Tensor, label: str, finished: Finished) -> Batch | None:
+        """Draws one token per row, records it, and moves the rows that finished to `finished`."""
+        seqs = batch.seqs
+        filtered = any(s.params.temperature > 0 and (s.params.top_k > 0 or s.params.top_p < 1) for s in seqs)
+        logprobs = processed_logprobs(logits, batch.temperature, batch.top_k, batch.top_p, filtered)  # (B, V)
+        # One uniform number a row (a seeded request's from its own generator) picks its token.
+        uniform = torch.rand(
+            len(seqs), dtype=torch.float64, generator=self.generator, device=self.device
+        )  # (B,)
+        for row, seq in enumerate(seqs):
+            if seq.generator is not None:
+                uniform[row] = torch.rand(
+                    (), dtype=torch.float64, generator=seq.generator, device=self.device
+                )
+        tokens = draw(logprobs, uniform)  # (B,)
+        if bool(batch.greedy.any()):
+            tokens = torch.where(batch.greedy, logprobs.argmax(dim=-1), tokens)
+        chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1)  # (B,)
+        ranks = ((logprobs > chosen[:, None]).sum(-1) + 1).tolist()  # (B,)
+        k = max(s.params.top_logprobs for s in seqs)
+        top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)  # (B, k)
+        tokens_list, chosen_list = tokens.tolist(), chosen.tolist()
+        if k:
+            top_values, top_ids = top_values.clamp(min=LOGPROB_FLOOR).tolist(), top_ids.tolist()
+        # The kept set is what the filter left finite: ascending ids, as vLLM compacts them.
+        kept = logprobs.isfinite() if any(s.params.sampling_mask for s in seqs) else None  # (B, V)
+        keep = []
+        for row, seq in enumerate(seqs):
+            token = tokens_list[row]
+            if not seq.version_starts or seq.version_starts[-1][0] != label:
+                seq.version_starts.append((label, len(seq.token_ids)))
+            seq.token_ids.append(token)
+            if seq.params.sampling_mask:
+                seq.kept_ids.append(kept[row].nonzero().squeeze(-1).tolist())
+            seq.logprobs.append(chosen_list[row])
+            seq.ranks.append(ranks[row])
+            if seq.params.top_logprobs:
+                count = seq.params.top_logprobs
+                seq.top_logprobs.append(list(zip(top_ids[row][:count], top_values[row][:count])))
+            completion = self.completion_if_finished(seq, token)
+            if completion is None:
+                keep.append(row)
+            else:
+                finished.append((seq, completion))
+        batch.next_tokens = tokens
+        if len(keep) == len(seqs):
+            return batch
+        return self.select(batch, keep) if keep else None
+
+    def completion_if_finished(self, seq: Sequence, token: int) -> Completion | None:
+        """The sequence's completion when `token` ended it (end token, stop string, max_tokens), else None."""
+        params = seq.params
+        if token in seq.end_ids:
+            return self.completion(seq, "stop", token if token in params.stop_token_ids else None)
+        stop = self.find_stop_string(seq) if params.stop else None
+        if stop is not None:
+            return self.completion(seq, "stop", stop)
+        if len(seq.token_ids) >= params.max_tokens:
+            return self.completion(seq, "length", None)
+        return None
+
+    def find_stop_string(self, seq: Sequence) -> str | None:
+        """The first stop string in the text so far, which is then cut there; None if there is none yet."""
+        # Decoding the whole completion each step is simple and exact (a stop string may span tokens).
+        text = self.detokenize(seq.token_ids, seq.params.skip_special_tokens)
+        hits = [(text.find(stop), stop) for stop in seq.params.stop if stop in text]
+        if not hits:
+            return None
+        at, stop = min(hits)
+        seq.text = text[: at + len(stop)] if seq.params.include_stop_str_in_output else text[:at]
+        return stop
+
+    def completion(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> Completion:
+        text = (
+            seq.text
+            if seq.text is not None
+            else self.detokenize(seq.token_ids, seq.params.skip_special_tokens)
+        )
+        ends = [start for _, start in seq.version_starts[1:]] + [len(seq.token_ids)]
+        spans = [(label, start, end) for (label, start), end in zip(seq.version_starts, ends)]
+        kept = seq.kept_ids if seq.params.sampling_mask else None
+        return Completion(
+            seq.token_ids, seq.logprobs, seq.ranks, seq.top_logprobs, text, reason, stop_reason, spans, kept
+        )
+
+    def select(self, batch: Batch, keep: list[int]) -> Batch:
+        """Keeps the given rows, and drops the left columns that are padding in every remaining row (a
+        BlockLayer's whole blocks of them)."""
+        index = torch.tensor(keep, device=self.device)
+        mask = batch.attention_mask[index]
+        cache, start = selected(batch.cache, index, int(mask.any(dim=0).int().argmax()))
+        rows = {name: getattr(batch, name)[index] for name in ROW_TENSORS}
+        return Batch([batch.seqs[row] for row in keep], cache, mask[:, start:], **rows)
+
+    def join(self, old: Batch | None, new: Batch | None) -> Batch | None:
+        """One batch of both: the shorter history is left-padded (masked) to the longer one."""
+        if old is None or new is None:
+            return old or new
+        width = max(old.attention_mask.shape[1], new.attention_mask.shape[1])
+
+        def pad(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+            missing = width - tensor.shape[dim]
+            return F.pad(tensor, (0, 0, missing, 0) if dim == 2 else (missing, 0))
+
+        layers = [
+            (torch.cat([pad(k_old, 2), pad(k_new, 2)]), torch.cat([pad(v_old, 2), pad(v_new, 2)]))
+            for (k_old, v_old), (k_new, v_new) in zip(layer_states(old.cache), layer_states(new.cache))
+        ]
+        rows = {name: torch.cat([getattr(old, name), getattr(new, name)]) for name in ROW_TENSORS}
+        mask = torch.cat([pad(old.attention_mask, 1), pad(new.attention_mask, 1)])
+        return Batch(old.seqs + new.seqs, self.cache(layers), mask, **rows)
+
+    def cache(self, layers=()) -> DynamicCache:
+        """A KV cache for the model, filled with `layers`' (keys, values) when given (kv.py)."""
+        return kv_cache(self.model.config, layers, self.cache_dtype, self.blocks)

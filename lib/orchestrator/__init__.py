@@ -1,0 +1,1 @@
+"""Where rollouts come from: tasks and environments, episodes, the producer, evaluation, SFT data, tasksets/."""
