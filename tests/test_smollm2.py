@@ -68,10 +68,10 @@ def test_smollm2_is_a_float32_llama_directory_that_says_what_it_is(smollm2_dir):
 
 @pytest.mark.slow
 def test_a_second_conversion_does_nothing_and_any_other_source_converts_again(smollm2_dir, capsys):
-    smollm2 = load_script("smollm2")
+    script = load_script("smollm2")
     written = (smollm2_dir / "model.safetensors").stat().st_mtime_ns
     start = time.perf_counter()
-    smollm2.main(parse(smollm2.Config, ["--out", str(smollm2_dir)]))
+    script.main(parse(script.Config, ["--out", str(smollm2_dir)]))
     assert time.perf_counter() - start < 10
     assert (smollm2_dir / "model.safetensors").stat().st_mtime_ns == written
     assert "nothing to do" in capsys.readouterr().out
