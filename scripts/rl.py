@@ -50,7 +50,7 @@ from lib.models.load import ModelConfig
 from lib.orchestrator.envs import EnvConfig
 from lib.orchestrator.evaluation import EvalConfig
 from lib.orchestrator.rollouts import AdvantageConfig
-from lib.sampling import SamplingConfig, bounded
+from lib.sampling import SamplingConfig
 from lib.trainer.loss import LossConfig
 from lib.trainer.optim import OptimConfig
 from lib.trainer.trainable import LoraConfig
@@ -167,7 +167,6 @@ class Config:
 def main(cfg: Config) -> dict:
     """Trains and returns {"run_dir", "weights" (the last weights/step_N), "history" (metrics per step)}."""
     import contextlib
-    import functools
     import time
 
     import torch
@@ -178,20 +177,16 @@ def main(cfg: Config) -> dict:
     from lib.inference.weights import sync
     from lib.log import RunLog, rl_line, say
     from lib.models.load import check_model_name, load_tokenizer, resolve_device
-    from lib.orchestrator import envs
-    from lib.orchestrator.mixture import load_mixture
-    from lib.orchestrator.producer import Producer
-    from lib.orchestrator.rollouts import write_records
+    from lib.orchestrator.producer import start_producer
     from lib.orchestrator.tasks import check_env_ids
-    from lib.plot import eval_points, plot_curve
-    from lib.trainer.checkpoint import drop_newer, load_checkpoint, open_run, save_checkpoint, step_of
-    from lib.trainer.head import Reference, micro_batch_kept_sets
+    from lib.plot import eval_points
+    from lib.trainer.checkpoint import open_run, resume_rl, save_checkpoint, step_of
     from lib.trainer.loss import loss_function
-    from lib.trainer.optim import build_optimizer, optimizer_step
-    from lib.trainer.packing import rank_shares
+    from lib.trainer.optim import build_optimizer
+    from lib.trainer.packing import pack_step
     from lib.trainer.servable import servable
-    from lib.trainer.train import train_micro_batch
-    from lib.trainer.trainable import load_trainable
+    from lib.trainer.train import train_step
+    from lib.trainer.trainable import load_policy
 
     # ------------------------------------------------------------ config and run directory
     rank, _, world_size = dist.world()
@@ -212,53 +207,20 @@ def main(cfg: Config) -> dict:
         dist.close()
         return {"run_dir": run_dir, "weights": last if last.is_dir() else None, "history": []}
 
-    # ------------------------------------------------------------ dist and model
+    # ------------------------------------------------------------ model, optimizer, loss
     torch.manual_seed(cfg.seed)
-    model, save_dtype, autocast = load_trainable(
-        cfg.model,
-        cfg.lora,
-        device=device,
-        world_size=world_size,
-        packing=cfg.packing,
-        activation_checkpointing=cfg.activation_checkpointing,
-    )
-    # Tokens are scored as the servers sampled them, so no dropout anywhere (Config refuses LoRA's). Not
-    # eval mode: transformers runs activation checkpointing in train mode only.
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
+    model, save_dtype, autocast, reference = load_policy(cfg, device, world_size)
     tokenizer = load_tokenizer(cfg.model.name)
     optimizer, scheduler = build_optimizer(model.parameters(), cfg.optim, cfg.steps)
-    compute_loss = loss_function(
-        cfg.loss
-    )  # lib/trainer/loss.py's policy_loss, or the one loss.import_path names
-    # loss.kl_coef's reference (lib/trainer/head.py Reference): loaded from model.name, never from a checkpoint, so a
-    # resumed run compares with the same reference. Memory: the configs' comments.
-    frozen = None
-    if cfg.loss.kl_coef and not cfg.lora.rank:
-        frozen, _, _ = load_trainable(
-            cfg.model, LoraConfig(), device=device, world_size=world_size, packing=cfg.packing
-        )
-        frozen.requires_grad_(False).eval()
-    reference = Reference(model, frozen, autocast, cfg.sampling.temperature)
-    shared = cfg.packing and cfg.model.attn_implementation == "sdpa" and device.startswith("cpu")
-    share_prompts = cfg.share_prompts == "on" or (cfg.share_prompts == "auto" and shared)
+    compute_loss = loss_function(cfg.loss)  # lib/trainer/loss.py's, or the one loss.import_path names
     # Inference logprobs are of the tempered distribution, the one sampled from, over each sampled token's
     # kept set when top-k/top-p filter it (lib/trainer/head.py KeptSets).
-    temperature, sampling = cfg.sampling.temperature, bounded(cfg.sampling)
     kept_set = launch.kept_set_mode(cfg, device)
-
-    start, progress = 0, {}
-    if cfg.resume and resume_from:
-        # Its draw counters count the tasks started before it, in flight ones included: skipped, not replayed.
-        progress = load_checkpoint(resume_from, model, optimizer, scheduler)
-        start = progress["step"]
-        say(f"resumed from {resume_from} (step {start})")
-        if is_main:
-            drop_newer(run_dir / "weights", start)
+    progress = resume_rl(resume_from if cfg.resume else None, model, optimizer, scheduler, say=say)
+    start = progress.get("step", 0)
 
     with contextlib.ExitStack() as cleanup:
-        # -------------------------------------------------------- inference servers and environment (rank 0)
+        # -------------------------------------------------------- inference servers, environments, producer
         # Every rank knows whether the adapter alone is written (a collective); rank 0 adds the servers.
         servers, evaluator = sync.Servers(urls=[], names=[], adapter=adapter), None
         if is_main:
@@ -266,22 +228,6 @@ def main(cfg: Config) -> dict:
                 cfg, model, save_dtype=save_dtype, autocast=autocast, device=device, kept_set=kept_set,
                 adapter=adapter, cleanup=cleanup, say=say,
             )  # fmt: skip
-            # The prompts are rendered here, as for any run, with model.name's tokenizer and renderer.
-            renderer = envs.renderer_name(cfg.model.name)
-            contexts = [
-                envs.model_context(
-                    url, name, sampling, train=True, tokenizer=cfg.model.name, renderer=renderer
-                )
-                for url, name in zip(servers.urls, servers.names)
-            ]
-            mixture, evaluator = load_mixture(
-                cfg, url=servers.urls[0], model=servers.names[0], api_key=servers.api_key,
-                out=run_dir / rundir.EVAL, progress=progress,
-            )  # fmt: skip
-            say(f"{mixture.describe()}; {len(servers.urls)} server(s): {' '.join(servers.urls)}")
-
-        # -------------------------------------------------------- weight sync
-        kept_sets = functools.partial(micro_batch_kept_sets, kept_set, sampling)
         # At max_async_level >= 1 the servers reload beside the next step's training (sync.Reloader);
         # on-policy, the next step needs this step's weights anyway.
         weight_sync = sync.WeightSync(
@@ -290,25 +236,17 @@ def main(cfg: Config) -> dict:
             keep_weights=cfg.keep_weights, save_merged=cfg.save_merged,
             memory=cfg.inference.weight_sync == "memory", write_every=cfg.checkpoint_every,
         )  # fmt: skip
-        # Every server, started or attached, loads the run's starting weights from the run directory and
-        # is checked against the trainer before any training: an attached one may hold another run's
-        # weights (step 1 would be off-policy), and a server that cannot read the run directory, or runs
-        # another model or dtype, stops the run here rather than after a step.
+        # Every server, started or attached, loads the run's starting weights and is checked against the
+        # trainer before any training: an attached one may hold another run's weights, and a server that
+        # cannot read the run directory, or runs another model or dtype, stops the run here.
         weight_sync.publish(start, "at the start of the run")
-
-        # -------------------------------------------------------- rollout producer (rank 0)
         if is_main:
-            # With served kept sets, a group with a rollout without them is left out.
-            producer = Producer(
-                mixture, contexts, rollouts_per_example=cfg.rollouts_per_example,
-                examples_per_step=cfg.examples_per_step, max_async_level=cfg.max_async_level,
-                max_concurrent=cfg.inference.max_concurrent, advantage=cfg.advantage, start_version=start,
-                seq_len=cfg.seq_len, filter_flat_groups=cfg.filter_flat_groups,
+            mixture, evaluator, producer = start_producer(
+                cfg, servers, run_dir=run_dir, progress=progress, start=start,
                 served_kept_sets=kept_set == "served",
             )  # fmt: skip
-            producer.start()
             cleanup.callback(producer.stop)
-            env_names = tuple(source.name for source in mixture.sources)
+            say(f"{mixture.describe()}; {len(servers.urls)} server(s): {' '.join(servers.urls)}")
             weight_sync.attach(on_loaded=producer.set_version)
             cleanup.callback(weight_sync.close)  # a reload in flight finishes, before the producer stops
         log = RunLog(
@@ -316,16 +254,7 @@ def main(cfg: Config) -> dict:
             config=to_dict(cfg), line=rl_line,
         )  # fmt: skip
         cleanup.callback(log.close)
-        history, weights, flat_steps, errors_in_run = [], None, 0, 0
-
-        def plot() -> None:
-            steps, rewards = range(start + 1, start + 1 + len(history)), [m["reward/mean"] for m in history]
-            plot_curve(
-                run_dir / rundir.REWARD_CURVE, steps=list(steps), values=rewards,
-                label="reward (mean of the step's rollouts)", title=f"rl: {cfg.env.id}",
-                points=eval_points(evaluator),
-            )  # fmt: skip
-
+        history, weights, flat_steps = [], None, 0
         if evaluator is not None:
             log.evaluation(start, evaluator(start))
         stop = StopAfterStep()
@@ -333,55 +262,26 @@ def main(cfg: Config) -> dict:
         for step in range(start, cfg.steps):
             step_number = step + 1
             step_began = time.perf_counter()
-            # ---------------------------------------------------- batch: rank 0 takes the step's groups
-            micro_batches_per_rank = [None] * world_size
+            # ---------------------------------------------------- batch: rank 0 takes and packs the step's groups
+            batch, rollouts, micro_batches_per_rank = None, [], [None] * world_size
             if is_main:
                 batch = producer.take(
                     step,
                     report=lambda message: say(f"rollout error: {message}"),
                     check=weight_sync.check_servers,
                 )
-                if batch.num_too_long:
-                    say(
-                        f"WARNING step {step_number}: dropped {batch.num_too_long} rollouts (whole groups) longer "
-                        f"than seq_len {cfg.seq_len} (rollouts/too_long)"
-                    )
-                # ------------------------------------------------ pack and split over the ranks
-                # DAPO's overlong masking: rollouts cut by a token limit leave the step after their group's
-                # advantages, so they carry no loss and count in no normaliser (as TRL's masking does).
-                rollouts = [r for r in batch.rollouts if not (cfg.loss.mask_truncated and r.truncated)]
-                assert kept_set != "served" or all(r.kept_counts is not None for r in rollouts), (
-                    "the producer lets no rollout without kept sets through"
-                )
-                # Dr. GRPO's budget: max_tokens is per turn, so a multi-turn rollout may hold more than its share.
-                micro_batches_per_rank = rank_shares(
-                    rollouts,
-                    world_size,
-                    budget_tokens=cfg.examples_per_step * cfg.rollouts_per_example * cfg.sampling.max_tokens,
-                    seq_len=cfg.seq_len,
-                    rows_per_micro_batch=cfg.micro_batch_size,
-                    pad_token_id=tokenizer.pad_token_id,
-                    packing=cfg.packing,
-                    share_prompts=share_prompts,
+                rollouts, micro_batches_per_rank = pack_step(
+                    cfg, batch, world_size, tokenizer, kept_set, device
                 )
             wait_seconds = time.perf_counter() - step_began
             rank_micro_batches, counts = dist.scatter(micro_batches_per_rank)
-            num_loss_tokens = counts["num_loss_tokens"]
 
             # ---------------------------------------------------- train
             train_began = time.perf_counter()
-            sums = {"loss": 0.0, "entropy": 0.0}
-            for mb in rank_micro_batches if num_loss_tokens else []:
-                mb = mb.to(device)
-                train_micro_batch(
-                    model, mb, sums, config=cfg.loss, compute_loss=compute_loss, counts=counts,
-                    temperature=temperature, kept=kept_sets(mb), count_outside=kept_set != "none",
-                    reference=reference, autocast=autocast, world_size=world_size,
-                )  # fmt: skip
-            grad_norm, lr = optimizer_step(optimizer, scheduler, cfg.optim.max_grad_norm)
-            if num_loss_tokens:
-                sums["grad_norm"] = grad_norm / world_size  # every rank has the full norm; summed below
-            totals = {name: dist.all_sum(value, device) for name, value in sorted(sums.items())}
+            totals, lr = train_step(
+                model, optimizer, scheduler, rank_micro_batches, counts, cfg=cfg, compute_loss=compute_loss,
+                kept_set=kept_set, reference=reference, autocast=autocast, world_size=world_size, device=device,
+            )  # fmt: skip
             train_seconds = time.perf_counter() - train_began
 
             # ---------------------------------------------------- weight sync and evaluation
@@ -394,39 +294,10 @@ def main(cfg: Config) -> dict:
 
             # ---------------------------------------------------- log
             if is_main:
-                num_tokens = sum(len(r.token_ids) for r in rollouts)
-                metrics = {
-                    **batch.metrics(cfg.env.id, env_names),
-                    **{f"train/{k}": v for k, v in totals.items()},
-                    "train/lr": lr,
-                    "train/rollouts": counts["num_rollouts"],
-                    "train/episodes": counts["num_episodes"],
-                    "perf/tokens_per_second": num_tokens / max(train_seconds, 1e-9),
-                    # The engines' generation rate as the loop sees it: over the step's wall time.
-                    "perf/rollout_tokens_per_second": batch.sampled_tokens
-                    / max(time.perf_counter() - step_began, 1e-9),
-                    "time/wait_rollouts": wait_seconds,
-                    "time/train": train_seconds,
-                    **sync_metrics,
-                    "time/step": time.perf_counter() - step_began,
-                }
-                if cfg.loss.mask_truncated:
-                    metrics["train/truncated_masked"] = len(batch.rollouts) - len(rollouts)
+                seconds = {"time/wait_rollouts": wait_seconds, "time/train": train_seconds, **sync_metrics}
+                metrics = step_metrics(cfg, batch, rollouts, totals, counts, lr, seconds, step_began, mixture)
                 history.append(metrics)
-                log.scalars(step_number, metrics)
-                if step_errors := int(metrics["rollouts/errors"]):
-                    errors_in_run += step_errors
-                    say(f"step {step_number}: {step_errors} rollout errors ({errors_in_run} in the run)")
-                if batch.num_flat_groups == len(batch.groups):
-                    flat_steps += 1
-                    say(
-                        f"WARNING step {step_number}: every group is flat (all rewards equal): no learning "
-                        "signal. Warm the model up with SFT, raise the temperature or change the task difficulty."
-                    )
-                if step_number % cfg.sample_every == 0 or step_number == cfg.steps:
-                    sample = max(batch.groups[0], key=lambda r: r.reward)
-                    log.sample(step_number, sample.prompt, sample.completion, sample.reward)
-                write_records(run_dir / rundir.ROLLOUTS / f"step_{step_number}.jsonl", batch.groups)
+                flat_steps += report(cfg, log, step_number, batch, metrics, history)
 
             # ---------------------------------------------------- checkpoint
             stopping = dist.all_sum(stop.requested, device) > 0  # a Ctrl-C on any rank stops them all here
@@ -439,7 +310,7 @@ def main(cfg: Config) -> dict:
                     keep=cfg.keep_checkpoints,
                 )  # fmt: skip
                 if is_main:
-                    plot()
+                    plot(cfg, history, start, eval_points(evaluator))
             if stopping and step_number < cfg.steps:
                 say(f"stopped after step {step_number}: checkpoints/step_{step_number} saved")
                 raise KeyboardInterrupt  # run_main ends the run with the resume hint
@@ -450,6 +321,66 @@ def main(cfg: Config) -> dict:
     log.summary(history, "reward/mean", weights, run_dir / rundir.REWARD_CURVE, eval_points(evaluator))
     dist.close()
     return {"run_dir": run_dir, "weights": weights, "history": history}
+
+
+# ---------------------------------------------------------------- the loop's steps, rank 0
+def step_metrics(
+    cfg: Config, batch, rollouts, totals, counts, lr, seconds: dict, began: float, mixture
+) -> dict:
+    """The step's metrics (docs/metrics.md): rollouts, training sums, rates and where the time went."""
+    import time
+
+    num_tokens = sum(len(r.token_ids) for r in rollouts)
+    metrics = {
+        **batch.metrics(cfg.env.id, tuple(source.name for source in mixture.sources)),
+        **{f"train/{k}": v for k, v in totals.items()},
+        "train/lr": lr,
+        "train/rollouts": counts["num_rollouts"],
+        "train/episodes": counts["num_episodes"],
+        "perf/tokens_per_second": num_tokens / max(seconds["time/train"], 1e-9),
+        # The engines' generation rate as the loop sees it: over the step's wall time.
+        "perf/rollout_tokens_per_second": batch.sampled_tokens / max(time.perf_counter() - began, 1e-9),
+        **seconds,
+        "time/step": time.perf_counter() - began,
+    }
+    if cfg.loss.mask_truncated:
+        metrics["train/truncated_masked"] = len(batch.rollouts) - len(rollouts)
+    return metrics
+
+
+def report(cfg: Config, log, step_number: int, batch, metrics: dict, history: list) -> bool:
+    """The step's scalars, warnings, sample and rollout records; whether every group was flat."""
+    from lib import rundir
+    from lib.log import say
+    from lib.orchestrator.rollouts import write_records
+
+    log.scalars(step_number, metrics)
+    if step_errors := int(metrics["rollouts/errors"]):
+        in_run = sum(int(m["rollouts/errors"]) for m in history)
+        say(f"step {step_number}: {step_errors} rollout errors ({in_run} in the run)")
+    flat = batch.num_flat_groups == len(batch.groups)
+    if flat:
+        say(
+            f"WARNING step {step_number}: every group is flat (all rewards equal): no learning "
+            "signal. Warm the model up with SFT, raise the temperature or change the task difficulty."
+        )
+    if step_number % cfg.sample_every == 0 or step_number == cfg.steps:
+        sample = max(batch.groups[0], key=lambda r: r.reward)
+        log.sample(step_number, sample.prompt, sample.completion, sample.reward)
+    write_records(cfg.output_dir / rundir.ROLLOUTS / f"step_{step_number}.jsonl", batch.groups)
+    return flat
+
+
+def plot(cfg: Config, history: list, start: int, points) -> None:
+    """reward_curve.png: the steps' mean reward, with the evaluations' points."""
+    from lib import rundir
+    from lib.plot import plot_curve
+
+    plot_curve(
+        cfg.output_dir / rundir.REWARD_CURVE, steps=list(range(start + 1, start + 1 + len(history))),
+        values=[m["reward/mean"] for m in history], label="reward (mean of the step's rollouts)",
+        title=f"rl: {cfg.env.id}", points=points,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

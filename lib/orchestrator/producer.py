@@ -310,3 +310,33 @@ def failure_cause(error: str) -> str:
     if "Connection error" in error or "ConnectError" in error:
         return "the inference server stopped answering: is it still running? (its log says why it stopped)"
     return "check the servers (model name, URL, API key) and the environment's args"
+
+
+def start_producer(cfg, servers, *, run_dir, progress: dict, start: int, served_kept_sets: bool):
+    """rl.py's rollouts (cfg: its Config; servers: its sync.Servers): its environments (resumed from
+    `progress`), the evaluator or None, and a started Producer against every server: (mixture, evaluator,
+    producer). With served kept sets, a group with a rollout without them is left out."""
+    from lib import rundir
+    from lib.orchestrator.mixture import load_mixture
+    from lib.sampling import bounded
+
+    # The prompts are rendered here, as for any run, with model.name's tokenizer and renderer.
+    renderer = envs.renderer_name(cfg.model.name)
+    contexts = [
+        envs.model_context(
+            url, name, bounded(cfg.sampling), train=True, tokenizer=cfg.model.name, renderer=renderer
+        )
+        for url, name in zip(servers.urls, servers.names)
+    ]
+    mixture, evaluator = load_mixture(
+        cfg, url=servers.urls[0], model=servers.names[0], api_key=servers.api_key,
+        out=run_dir / rundir.EVAL, progress=progress,
+    )  # fmt: skip
+    producer = Producer(
+        mixture, contexts, rollouts_per_example=cfg.rollouts_per_example,
+        examples_per_step=cfg.examples_per_step, max_async_level=cfg.max_async_level,
+        max_concurrent=cfg.inference.max_concurrent, advantage=cfg.advantage, start_version=start,
+        seq_len=cfg.seq_len, filter_flat_groups=cfg.filter_flat_groups, served_kept_sets=served_kept_sets,
+    )  # fmt: skip
+    producer.start()
+    return mixture, evaluator, producer

@@ -310,3 +310,16 @@ def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
     else:  # another number of ranks: the weights continue exactly, the random streams cannot
         set_rng_state(state["rng"][0])
     return json.loads((path / "progress.json").read_text())
+
+
+def resume_rl(checkpoint: Path | None, model, optimizer, scheduler, say) -> dict:
+    """rl.py's progress from `checkpoint` ({} for a new run), loaded into the model, optimizer and scheduler;
+    on rank 0 the run's weights/ newer than it are dropped. Its draw counters count the tasks started before
+    it, in flight ones included: skipped, not replayed."""
+    if checkpoint is None:
+        return {}
+    progress = load_checkpoint(checkpoint, model, optimizer, scheduler)
+    say(f"resumed from {checkpoint} (step {progress['step']})")
+    if dist.world()[0] == 0:
+        drop_newer(checkpoint.parent.parent / rundir.WEIGHTS, progress["step"])
+    return progress

@@ -259,3 +259,29 @@ def rank_shares(
         "num_budget_tokens": budget_tokens,
     }
     return [(micro_batches[rank::world_size], counts) for rank in range(world_size)]
+
+
+def pack_step(cfg, batch, world_size: int, tokenizer, kept_set: str, device: str):
+    """rl.py's step (cfg: its Config; batch: the producer's StepBatch) packed: the rollouts it trains on and
+    each rank's micro-batches."""
+    from lib.log import say
+
+    if batch.num_too_long:
+        say(
+            f"WARNING: dropped {batch.num_too_long} rollouts (whole groups) longer than seq_len {cfg.seq_len} "
+            "(rollouts/too_long)"
+        )
+    # DAPO's overlong masking: rollouts cut by a token limit leave the step after their group's advantages,
+    # so they carry no loss and count in no normaliser (as TRL's masking does).
+    rollouts = [r for r in batch.rollouts if not (cfg.loss.mask_truncated and r.truncated)]
+    assert kept_set != "served" or all(r.kept_counts is not None for r in rollouts), (
+        "the producer lets no rollout without kept sets through"
+    )
+    shared = cfg.packing and cfg.model.attn_implementation == "sdpa" and device.startswith("cpu")
+    # Dr. GRPO's budget: max_tokens is per turn, so a multi-turn rollout may hold more than its share.
+    return rollouts, rank_shares(
+        rollouts, world_size,
+        budget_tokens=cfg.examples_per_step * cfg.rollouts_per_example * cfg.sampling.max_tokens,
+        seq_len=cfg.seq_len, rows_per_micro_batch=cfg.micro_batch_size, pad_token_id=tokenizer.pad_token_id,
+        packing=cfg.packing, share_prompts=cfg.share_prompts == "on" or (cfg.share_prompts == "auto" and shared),
+    )  # fmt: skip

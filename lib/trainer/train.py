@@ -49,3 +49,26 @@ def train_micro_batch(
         values["outside_kept_set"] = token_share(outside.float(), mb.loss_mask, num_loss_tokens)
     for name, value in values.items():
         sums[name] = sums.get(name, 0.0) + value.item()
+
+
+def train_step(
+    model, optimizer, scheduler, micro_batches, counts: dict, *, cfg, kept_set: str, device: str, **scoring
+):
+    """rl.py's optimizer step (cfg: its Config) over this rank's micro-batches: (the step's sums, summed over
+    the ranks, and the learning rate). `scoring`: compute_loss, reference, autocast and world_size."""
+    from lib import dist
+    from lib.sampling import bounded
+    from lib.trainer.optim import optimizer_step
+
+    sums, world_size = {"loss": 0.0, "entropy": 0.0}, scoring["world_size"]
+    for mb in micro_batches if counts["num_loss_tokens"] else []:
+        mb = mb.to(device)
+        train_micro_batch(
+            model, mb, sums, config=cfg.loss, counts=counts, temperature=cfg.sampling.temperature,
+            count_outside=kept_set != "none", kept=head.micro_batch_kept_sets(kept_set, bounded(cfg.sampling), mb),
+            **scoring,
+        )  # fmt: skip
+    grad_norm, lr = optimizer_step(optimizer, scheduler, cfg.optim.max_grad_norm)
+    if counts["num_loss_tokens"]:
+        sums["grad_norm"] = grad_norm / world_size  # every rank has the full norm; summed below
+    return {name: dist.all_sum(value, device) for name, value in sorted(sums.items())}, lr

@@ -113,3 +113,33 @@ def load_trainable(
         return torch.autocast(device_type, dtype=torch.bfloat16) if bf16_compute else contextlib.nullcontext()
 
     return model, getattr(torch, runs_in_dtype(model_config, device_type, hidden_size)), autocast
+
+
+def load_policy(cfg, device: str, world_size: int):
+    """rl.py's policy (cfg: its Config) ready to train, and loss.kl_coef's reference to its starting weights:
+    (model, save_dtype, autocast, reference). The reference is loaded from model.name, never from a
+    checkpoint, so a resumed run compares with the same one; under LoRA it is the adapter switched off."""
+    import torch
+
+    from lib.trainer.head import Reference
+
+    model, save_dtype, autocast = load_trainable(
+        cfg.model,
+        cfg.lora,
+        device=device,
+        world_size=world_size,
+        packing=cfg.packing,
+        activation_checkpointing=cfg.activation_checkpointing,
+    )
+    # Tokens are scored as the servers sampled them, so no dropout anywhere (rl.py refuses LoRA's). Not
+    # eval mode: transformers runs activation checkpointing in train mode only.
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    frozen = None
+    if cfg.loss.kl_coef and not cfg.lora.rank:  # memory: the configs' comments
+        frozen, _, _ = load_trainable(
+            cfg.model, LoraConfig(), device=device, world_size=world_size, packing=cfg.packing
+        )
+        frozen.requires_grad_(False).eval()
+    return model, save_dtype, autocast, Reference(model, frozen, autocast, cfg.sampling.temperature)
