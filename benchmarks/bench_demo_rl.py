@@ -3,7 +3,8 @@ problems before and after: the gain with the standard error of its paired differ
 across changes (a change that breaks learning shows as a gain within noise).
 
 It reruns only what RL decides: the SFT weights and the presets (configs/smollm2_two_digit/{rl,eval}.toml)
-are the demo's, the RL run goes to --out (started over each time), and the score before RL is taken again,
+are the demo's, the RL run goes to --out (started over each time: a new or empty folder, or an earlier output
+of this benchmark, recognised by its record bench_demo_rl.json and by holding nothing else), and the score before RL is taken again,
 with the same held-out problems, so that both sides of the gain come from this run. Sampled at the RL
 temperature (the demo's figure) and greedily. ~14 minutes on 2 quiet cores at the preset's 60 steps
 (12 of them RL: docs/smollm2.md).
@@ -22,10 +23,14 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "benchmarks")]
 import demo  # noqa: E402  (scripts/demo.py: its stages' commands and evaluation)
+from common import claim_out  # noqa: E402
 
+from lib.config import fail  # noqa: E402
 from lib.orchestrator.evaluation import paired_gain  # noqa: E402
+
+WRITES = ("eval", "rl")  # what a run writes in --out, beside its record
 
 
 def main() -> None:
@@ -40,9 +45,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("outputs/bench-demo-rl"))
     args = parser.parse_args()
     if not (args.sft / "config.json").is_file():
-        sys.exit(f"error: no SFT weights in {args.sft}: run `make demo` first, or give --sft DIR.")
+        fail(f"no SFT weights in {args.sft}: run `make demo` first, or give --sft DIR.")
+    if args.sft.resolve().is_relative_to(args.out.resolve()):
+        fail(f"--sft {args.sft} is inside --out {args.out}, which the run starts over: give another --out.")
     cfg = demo.resolved(demo.Config(out=args.out, rl_steps=args.steps, seed=args.seed))
-    shutil.rmtree(args.out, ignore_errors=True)
+    claim_out(args.out, __file__, WRITES, {"sft": str(args.sft), "steps": cfg.rl_steps, "seed": cfg.seed})
+    for name in WRITES:  # this benchmark's own, from an earlier run (claim_out has checked)
+        shutil.rmtree(args.out / name, ignore_errors=True)
     start = time.perf_counter()
     before, after = args.out / "eval" / "before-rl", args.out / "eval" / "after-rl"
     demo.evaluate(cfg, args.sft, before)

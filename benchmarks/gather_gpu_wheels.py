@@ -13,7 +13,8 @@ wheel asks for is carried at the lock's version instead (it then shadows the mac
 The check: `pip install --dry-run --no-index --ignore-installed` for CPython 3.12 on manylinux x86-64
 resolves plainrl's requirements (the two relaxed) from the folder and one stub wheel per machine package
 (its name and version, no files; the lock's version where the machine's was never read) and must use
-every wheel in the folder. Stale wheels in the folder (another lock) are removed.
+every wheel in the folder. Stale wheels in the folder (another lock) are removed: the folder must be new or
+empty, or one this script gathered (its record, gather_gpu_wheels.json, and wheels, nothing else).
 
 Usage:
     python benchmarks/gather_gpu_wheels.py                  # gpu-wheels/ (make gpu-wheels runs the same)
@@ -36,6 +37,9 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+from common import claim_out  # noqa: E402
+
 MACHINE_FILE = ROOT / "benchmarks" / "gpu_machine_packages.txt"
 PYTHON = "3.12"
 # The machine's glibc is 2.39 (Ubuntu 24.04's Python 3.12.3): every manylinux tag up to it runs there.
@@ -221,9 +225,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "gpu-wheels", help="the wheel folder")
     parser.add_argument("--check-only", action="store_true", help="the dry run on the folder as it is")
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
     machine, lock = read_machine(), read_lock()
     if not args.check_only:
+        claim_out(args.out, __file__, ("*.whl",), {"python": PYTHON})  # it removes the folder's stale wheels
         decided = gather(args.out)
         for name, why in sorted(decided["replaced"].items()):
             print(f"replaced: {name} carried at {lock[name]} ({why})")

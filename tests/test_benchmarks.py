@@ -1,0 +1,106 @@
+"""The benchmarks: a benchmark never deletes a directory it did not write."""
+
+import importlib.util
+import json
+import sys
+
+import pytest
+from conftest import ROOT
+
+
+def load_benchmark(path: str):
+    """Imports benchmarks/<path> as a module (benchmarks are scripts, not a package's modules)."""
+    name = "plainrl_benchmark_" + path.replace("/", "_").removesuffix(".py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def demo_rl_refusal(tmp_path, monkeypatch, capsys, out) -> str:
+    """bench_demo_rl.py's main() on `out` with work of any kind forbidden: the one line it ends on (exit 2)."""
+    sft = tmp_path / "sft"
+    sft.mkdir(exist_ok=True)
+    (sft / "config.json").write_text("{}")
+    bench = load_benchmark("bench_demo_rl.py")
+
+    def work(*args, **kwargs):
+        raise AssertionError("the benchmark began its work before judging --out")
+
+    monkeypatch.setattr(bench.demo, "evaluate", work)
+    monkeypatch.setattr(bench.demo, "run", work)
+    monkeypatch.setattr(sys, "argv", ["bench_demo_rl.py", "--sft", str(sft), "--out", str(out)])
+    with pytest.raises(SystemExit) as exit_:
+        bench.main()
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and error.count("\n") == 1, error
+    return error
+
+
+def test_bench_demo_rl_refuses_an_out_holding_files_it_did_not_write_and_keeps_them(
+    tmp_path, monkeypatch, capsys
+):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    error = demo_rl_refusal(tmp_path, monkeypatch, capsys, out)
+    assert "notes.txt" in error and str(out) in error
+    assert (out / "notes.txt").read_text() == "mine"
+
+    # Its record beside them does not make the folder its own: it holds more than the benchmark writes.
+    (out / "bench_demo_rl.json").write_text(json.dumps({"written_by": "bench_demo_rl.py"}))
+    demo_rl_refusal(tmp_path, monkeypatch, capsys, out)
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_bench_demo_rl_refuses_the_demo_it_starts_from(tmp_path, monkeypatch, capsys):
+    demo = tmp_path / "demo"
+    weights = demo / "sft" / "weights" / "step_10"
+    weights.mkdir(parents=True)
+    (weights / "config.json").write_text("{}")
+    (demo / "demo.toml").write_text("seed = 0\n")
+    monkeypatch.setattr(sys, "argv", ["bench_demo_rl.py", "--sft", str(weights), "--out", str(demo)])
+    bench = load_benchmark("bench_demo_rl.py")
+    monkeypatch.setattr(bench.demo, "evaluate", lambda *a, **k: pytest.fail("evaluated"))
+    with pytest.raises(SystemExit) as exit_:
+        bench.main()
+    assert exit_.value.code == 2 and (weights / "config.json").is_file() and (demo / "demo.toml").is_file()
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_bench_demo_rl_starts_its_own_earlier_output_over(tmp_path, monkeypatch):
+    sft, out = tmp_path / "sft", tmp_path / "bench"
+    sft.mkdir()
+    (sft / "config.json").write_text("{}")
+    bench = load_benchmark("bench_demo_rl.py")
+    began = []
+    monkeypatch.setattr(bench.demo, "evaluate", lambda cfg, model, run_dir: began.append(run_dir))
+    monkeypatch.setattr(bench.demo, "run", lambda *args: pytest.fail("RL ran"))
+    monkeypatch.setattr(sys, "argv", ["bench_demo_rl.py", "--sft", str(sft), "--out", str(out)])
+    with pytest.raises(pytest.fail.Exception):
+        bench.main()  # a new folder: the benchmark writes its record there, then begins
+    record = json.loads((out / "bench_demo_rl.json").read_text())
+    assert began == [out / "eval" / "before-rl"] and record["sft"] == str(sft)
+    (out / "eval" / "before-rl").mkdir(parents=True)
+    (out / "rl" / "weights").mkdir(parents=True)
+    with pytest.raises(pytest.fail.Exception):
+        bench.main()  # its own earlier output: what it wrote goes, the record stays
+    assert sorted(p.name for p in out.iterdir()) == ["bench_demo_rl.json"]
+
+
+def test_gather_gpu_wheels_refuses_a_folder_it_did_not_write_and_removes_no_wheel_there(
+    tmp_path, monkeypatch, capsys
+):
+    out = tmp_path / "wheels"
+    out.mkdir()
+    (out / "mine-1.0-py3-none-any.whl").write_bytes(b"a wheel of the user's")
+    gather = load_benchmark("gather_gpu_wheels.py")
+    monkeypatch.setattr(gather, "gather", lambda out: pytest.fail("gathered into a folder of someone else's"))
+    monkeypatch.setattr(sys, "argv", ["gather_gpu_wheels.py", "--out", str(out)])
+    with pytest.raises(SystemExit) as exit_:
+        gather.main()
+    assert exit_.value.code == 2 and (out / "mine-1.0-py3-none-any.whl").is_file()
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "mine-1.0-py3-none-any.whl" in error
