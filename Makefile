@@ -145,11 +145,11 @@ serve: setup  ## serve: make serve MODEL=DIR [PORT=8000] [ENGINE=auto|torch|vllm
 tensorboard: setup  ## tensorboard over every run in outputs/
 	$(VENV)/bin/tensorboard --logdir outputs
 
-# The GPU check (benchmarks/gpu_check.py) on a machine with CUDA and torch but no network: what plainrl
+# The GPU check (benchmarks/gpu/gpu_check.py) on a machine with CUDA and torch but no network: what plainrl
 # needs beyond that machine's packages, as Python 3.12 manylinux wheels, resolved against its package list.
 .PHONY: gpu-wheels
-gpu-wheels: setup  ## gather gpu-wheels/ for a bare GPU machine (then there: python3 benchmarks/gpu_check.py --wheels gpu-wheels)
-	$(PY) benchmarks/gather_gpu_wheels.py --out gpu-wheels
+gpu-wheels: setup  ## gather gpu-wheels/ for a bare GPU machine (then there: python3 benchmarks/gpu/gpu_check.py --wheels gpu-wheels)
+	$(PY) benchmarks/gpu/gather_gpu_wheels.py --out gpu-wheels
 
 clean:  ## remove outputs and caches (keeps .venv)
 	rm -rf outputs .pytest_cache .ruff_cache

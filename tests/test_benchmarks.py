@@ -1,5 +1,7 @@
-"""The benchmarks: a benchmark never deletes a directory it did not write."""
+"""The benchmarks: grouped as lib/ is, each imports lib/, benchmarks/common.py and its own group's scripts only;
+a benchmark never deletes a directory it did not write."""
 
+import ast
 import importlib.util
 import json
 import sys
@@ -18,12 +20,41 @@ def load_benchmark(path: str):
     return module
 
 
+def test_a_benchmark_imports_no_test_and_no_other_groups_script():
+    files = sorted((ROOT / "benchmarks").rglob("*.py"))
+    group_of = {path.stem: path.parent.name for path in files if path.parent.name != "benchmarks"}
+    wrong = []
+    for path in files:
+        group = path.parent.name if path.parent.name != "benchmarks" else None
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                if parts[0] in ("tests", "conftest"):
+                    wrong.append(f"{path.relative_to(ROOT)} imports {name}")
+                elif parts[0] == "benchmarks" and len(parts) > 2 and parts[1] not in ("common", group):
+                    wrong.append(f"{path.relative_to(ROOT)} imports {name}, another group's")
+                elif parts[0] in group_of and group_of[parts[0]] != group:
+                    wrong.append(f"{path.relative_to(ROOT)} imports {name}, another group's")
+        if '"tests"' in path.read_text():
+            wrong.append(f"{path.relative_to(ROOT)} names the tests' folder")
+    assert wrong == []
+    assert set(group_of.values()) == {"trainer", "rl", "inference", "gpu"}
+    assert not [path for path in (ROOT / "benchmarks").glob("*.py") if path.stem.startswith("bench_")]
+
+
 def demo_rl_refusal(tmp_path, monkeypatch, capsys, out) -> str:
     """bench_demo_rl.py's main() on `out` with work of any kind forbidden: the one line it ends on (exit 2)."""
     sft = tmp_path / "sft"
     sft.mkdir(exist_ok=True)
     (sft / "config.json").write_text("{}")
-    bench = load_benchmark("bench_demo_rl.py")
+    bench = load_benchmark("rl/bench_demo_rl.py")
 
     def work(*args, **kwargs):
         raise AssertionError("the benchmark began its work before judging --out")
@@ -62,7 +93,7 @@ def test_bench_demo_rl_refuses_the_demo_it_starts_from(tmp_path, monkeypatch, ca
     (weights / "config.json").write_text("{}")
     (demo / "demo.toml").write_text("seed = 0\n")
     monkeypatch.setattr(sys, "argv", ["bench_demo_rl.py", "--sft", str(weights), "--out", str(demo)])
-    bench = load_benchmark("bench_demo_rl.py")
+    bench = load_benchmark("rl/bench_demo_rl.py")
     monkeypatch.setattr(bench.demo, "evaluate", lambda *a, **k: pytest.fail("evaluated"))
     with pytest.raises(SystemExit) as exit_:
         bench.main()
@@ -74,7 +105,7 @@ def test_bench_demo_rl_starts_its_own_earlier_output_over(tmp_path, monkeypatch)
     sft, out = tmp_path / "sft", tmp_path / "bench"
     sft.mkdir()
     (sft / "config.json").write_text("{}")
-    bench = load_benchmark("bench_demo_rl.py")
+    bench = load_benchmark("rl/bench_demo_rl.py")
     began = []
     monkeypatch.setattr(bench.demo, "evaluate", lambda cfg, model, run_dir: began.append(run_dir))
     monkeypatch.setattr(bench.demo, "run", lambda *args: pytest.fail("RL ran"))
@@ -96,7 +127,7 @@ def test_gather_gpu_wheels_refuses_a_folder_it_did_not_write_and_removes_no_whee
     out = tmp_path / "wheels"
     out.mkdir()
     (out / "mine-1.0-py3-none-any.whl").write_bytes(b"a wheel of the user's")
-    gather = load_benchmark("gather_gpu_wheels.py")
+    gather = load_benchmark("gpu/gather_gpu_wheels.py")
     monkeypatch.setattr(gather, "gather", lambda out: pytest.fail("gathered into a folder of someone else's"))
     monkeypatch.setattr(sys, "argv", ["gather_gpu_wheels.py", "--out", str(out)])
     with pytest.raises(SystemExit) as exit_:

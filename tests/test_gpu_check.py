@@ -1,5 +1,5 @@
-"""benchmarks/gpu_check.py on CPU at the 2-layer Qwen3 shape: it runs every section and writes every figure the GPU
-run writes (the CUDA-only ones null), so the check cannot rot between the rare runs on a GPU."""
+"""benchmarks/gpu/gpu_check.py on CPU at the 2-layer Qwen3 shape: it runs every section and writes every figure
+the GPU run writes (the CUDA-only ones null), so the check cannot rot between the rare runs on a GPU."""
 
 import importlib.metadata
 import json
@@ -9,8 +9,7 @@ import sys
 import pytest
 from conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import gpu_check  # noqa: E402
+from benchmarks.gpu import gpu_check
 
 
 def test_a_torch_that_lacks_an_api_plainrl_calls_stops_the_check_in_one_sentence(monkeypatch):
@@ -67,7 +66,7 @@ def test_a_carried_wheel_whose_requirement_the_machine_does_not_meet_is_named(tm
 def test_the_cpu_run_writes_every_figure_of_the_gpu_run_with_the_cuda_only_ones_null(tmp_path):
     command = [
         sys.executable,
-        str(ROOT / "benchmarks" / "gpu_check.py"),
+        str(ROOT / "benchmarks" / "gpu" / "gpu_check.py"),
         "--device",
         "cpu",
         "--shape",

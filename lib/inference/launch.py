@@ -36,8 +36,8 @@ class InferenceConfig:
     """GPU memory share of the vLLM server rl.py starts (it shares the GPU with the trainer)."""
     max_concurrent: int = 64
     """Most episodes in flight at once."""
-    # Measured (benchmarks/bench_pause_mode.py: configs/tiny/rl.toml on the 300-step SFT tiny model,
-    # max_async_level 1, 2 x 11 timed steps per mode, everything on one CPU core): builtin engine
+    # Measured (benchmarks/inference/bench_pause_mode.py: configs/tiny/rl.toml on the 300-step SFT tiny
+    # model, max_async_level 1, 2 x 11 timed steps per mode, everything on one CPU core): builtin engine
     # wait 1.206 s/step, keep 1.158 (0.96x); vLLM CPU build wait 2.493, keep 2.727 (1.09x). keep halves
     # the sync (vLLM 0.88 -> 0.46 s) but the held completions, recomputed, still need the same core
     # afterwards (rollout wait 0.14 -> 0.56 s): no gain here, so wait stays the default. On a GPU with

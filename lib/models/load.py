@@ -67,7 +67,7 @@ def resolve_dtype(config: ModelConfig, device: str):
 # Below this hidden size bf16 autocast trains no faster than float32 on a CPU, even with native bf16: the casts
 # cost what the small matmuls gain. SFT steps of 1024 tokens, 2 layers, one thread (AMX), tokens per CPU second
 # bf16 autocast over float32: hidden 64 (the tiny model) 0.86x, 128 0.99x, 256 1.41x, 576 1.96x
-# (benchmarks/bench_limits.py's trainer rows; docs/benchmarks.md).
+# (benchmarks/trainer/bench_limits.py's trainer rows; docs/benchmarks.md).
 CPU_BF16_MIN_HIDDEN_SIZE = 256
 
 
@@ -115,8 +115,8 @@ def runs_in_dtype(config: ModelConfig, device: str, hidden_size: int) -> str:
     """The dtype a model runs in: what servers load it in and a trainer writes its weights in. model.dtype,
     with auto as bfloat16 wherever the trainer computes in bf16 (CUDA; a CPU with native bf16 at a real
     model's width, trains_in_bf16), else float32. On such a CPU the builtin engine generates ~1.6x faster in
-    bf16 than in float32 (SmolLM2, 64 sequences; benchmarks/bench_generation.py), and vLLM's own auto
-    serves bf16 there too."""
+    bf16 than in float32 (SmolLM2, 64 sequences; benchmarks/inference/bench_generation.py), and vLLM's own
+    auto serves bf16 there too."""
     if config.dtype != "auto" or device.startswith("cuda"):
         return str(resolve_dtype(config, device)).removeprefix("torch.")
     return "bfloat16" if trains_in_bf16(config, device, hidden_size) else "float32"

@@ -45,7 +45,7 @@ def use_aiohttp_transport() -> None:
     and speak vLLM 0.32's dialect of /inference/v1/generate.
 
     httpx keeps its API (verifiers and openai use it), but its default transport, httpcore, cost about
-    a third of the environment layer's CPU with 64 requests in flight (benchmarks/bench_env_overhead.py).
+    a third of the environment layer's CPU with 64 requests in flight (benchmarks/rl/bench_env_overhead.py).
     The transport is also the HTTP layer plainrl owns between the train client and the servers, so the
     two places where the client and vLLM disagree are settled here, for both engines alike:
     - every generate request asks for `return_token_ids`, so the answer echoes `prompt_token_ids` and
@@ -116,7 +116,7 @@ def cache_default_factory_checks() -> None:
     pydantic 2.14 answers that with inspect.signature() on every model_construct of a model with a
     default_factory field, uncached; for builtins like `list` it parses the signature from text.
     verifiers builds several such models per turn: it was 15% of the rollout producer's CPU
-    (benchmarks/bench_env_overhead.py). The answer depends on the factory alone, so it is cached.
+    (benchmarks/rl/bench_env_overhead.py). The answer depends on the factory alone, so it is cached.
     """
     import functools
 

@@ -26,7 +26,7 @@ def compile_norms_and_mlps(model) -> None:
     """torch.compile each RMSNorm and MLP module of a transformers model in place (dynamic shapes: packed rows
     and micro-batches vary). In eager mode their float32 norms and SiLU-times-up pass over the activations
     op by op (with RoPE, residual adds and the output layer's softmax, 30-36% of a bf16 step on a CPU,
-    benchmarks/bench_limits.py); compiled, each module's elementwise ops make one pass."""
+    benchmarks/trainer/bench_limits.py); compiled, each module's elementwise ops make one pass."""
     import torch._inductor.config
 
     torch._inductor.config.compile_threads = 1  # in-process: no pool of compiler workers beside the server

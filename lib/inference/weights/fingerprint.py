@@ -13,8 +13,8 @@ import torch
 COLUMNS = 64
 # Largest |served - written| sum, relative to the sum of |entries| over the same columns. Where the server
 # holds the written values exactly (the same dtype, or a wider one), the two sums differ only by float64
-# summation order: measured 0 to 3e-16 (benchmarks/bench_fingerprint.py: float32 and bf16, both engines,
-# the tiny, 2-layer Qwen3 and 0.6B shapes); one entry of ~0.02 moved by one bf16 step in a 151,936 x 1024
+# summation order: measured 0 to 3e-16 (benchmarks/inference/bench_fingerprint.py: float32 and bf16, both
+# engines, the tiny, 2-layer Qwen3 and 0.6B shapes); one entry of ~0.02 moved by one bf16 step in a 151,936 x 1024
 # output layer is 4e-10 to 8e-10.
 TOLERANCE = 1e-12
 

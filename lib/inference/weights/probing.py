@@ -12,8 +12,8 @@ from lib.inference.weights import reload
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog. 0123456789"
 PROBE_TEMPERATURE = 0.5
 PROBE_TOKENS = 8
-# Provisional, from CPU only (benchmarks/bench_probe_tolerance.py, Qwen3-0.6B shape, both engines serving bf16,
-# the trainer's float32 weights in float32 and under bf16 autocast): the mean |logprob difference| over 8
+# Provisional, from CPU only (benchmarks/inference/bench_probe_tolerance.py, Qwen3-0.6B shape, both engines
+# serving bf16, the trainer's float32 weights in float32 and under bf16 autocast): the mean |logprob difference| over 8
 # probe tokens reached 0.125 on one prompt, and 0.045 averaged over 6 prompts, when the sampled tokens had
 # probabilities around 0.06 (log -2.8), the most sensitive regime; random, briefly trained and very peaked
 # models gave 0.003-0.023 on average. Twice the worst prompt, until GPU kernels are measured. So loose that

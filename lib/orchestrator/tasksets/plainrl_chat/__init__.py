@@ -100,7 +100,7 @@ def loop_session() -> aiohttp.ClientSession:
     """One aiohttp session per event loop, connections kept alive and unlimited in number.
 
     aiohttp's client, not httpx: on this loopback hop httpx and httpcore cost several times more CPU
-    per call (benchmarks/bench_env_overhead.py).
+    per call (benchmarks/rl/bench_env_overhead.py).
     """
     loop = asyncio.get_running_loop()
     if loop not in _sessions:

@@ -11,8 +11,8 @@ temperature (the demo's figure) and greedily. ~14 minutes on 2 quiet cores at th
 
 Usage:
     make demo                                     # once: the SFT weights this starts from
-    python benchmarks/bench_demo_rl.py            # from outputs/demo/sft/weights/step_<the SFT preset's steps>
-    python benchmarks/bench_demo_rl.py --sft DIR --steps 10 --seed 1 --out outputs/bench-demo-rl
+    python benchmarks/rl/bench_demo_rl.py            # from outputs/demo/sft/weights/step_<the SFT preset's steps>
+    python benchmarks/rl/bench_demo_rl.py --sft DIR --steps 10 --seed 1 --out outputs/bench-demo-rl
 """
 
 import argparse
@@ -22,13 +22,11 @@ import time
 import tomllib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "benchmarks")]
-import demo  # noqa: E402  (scripts/demo.py: its stages' commands and evaluation)
-from common import claim_out  # noqa: E402
-
-from lib.config import fail  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: lib/ and benchmarks/
+from benchmarks.common import ROOT, claim_out, fail, load_script  # noqa: E402
 from lib.orchestrator.evaluation import paired_gain  # noqa: E402
+
+demo = load_script("demo")  # scripts/demo.py: its stages' commands and evaluation
 
 WRITES = ("eval", "rl")  # what a run writes in --out, beside its record
 

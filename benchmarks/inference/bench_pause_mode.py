@@ -9,8 +9,8 @@ alternate wait, keep, wait, keep... Printed: mean step, sync and rollout-wait se
 engine (steps after the first), and keep's step time over wait's. The vLLM half needs `make setup-vllm`.
 
 Usage:
-    python benchmarks/bench_pause_mode.py                         # 12 steps per run, both engines
-    python benchmarks/bench_pause_mode.py --steps 20 --repeats 2 --engines torch
+    python benchmarks/inference/bench_pause_mode.py                         # 12 steps per run, both engines
+    python benchmarks/inference/bench_pause_mode.py --steps 20 --repeats 2 --engines torch
 """
 
 import argparse
@@ -18,17 +18,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: lib/ and benchmarks/
+from benchmarks.common import ROOT  # noqa: E402
 
 MODES = ("wait", "keep")
 
 
 def run(url: str, model: Path, out: Path, mode: str, steps: int) -> list[dict]:
     """The metrics of one rl.py run attached to `url` (the first step, which includes warm-up, left out)."""
-    from conftest import load_script
-
+    from benchmarks.common import load_script
     from lib.config import parse
 
     rl = load_script("rl")
@@ -50,18 +48,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="runs per mode and engine, alternating")
     parser.add_argument("--engines", nargs="+", default=["torch", "vllm"], choices=["torch", "vllm"])
     args = parser.parse_args()
-    from conftest import cached_sft
-
+    from benchmarks.common import trained_tiny
     from lib.inference import launch
     from lib.models.tiny import write_tiny
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        # The same SFT run (and so the same cache entry) as the tests' trained_tiny fixture.
-        preset = "configs/tiny/sft.toml"
-        sft_args = ["@", str(ROOT / preset), "--data.num-examples", "2000"]
-        model = cached_sft("trained-tiny", write_tiny(tmp / "tiny"), [preset], sft_args, 300)
+        model = trained_tiny(write_tiny(tmp / "tiny"))  # the tests' trained_tiny: one cache entry
         for engine in args.engines:
             # 1 GiB of KV cache for vLLM's CPU build (its default, 4, may not fit beside other work).
             extra = ["--model.dtype", "float32", "--max-model-len", "2048", "--vllm.cpu-kv-cache-gib", "1"]

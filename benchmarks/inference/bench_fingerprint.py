@@ -8,8 +8,8 @@ prints the median seconds of each and the largest |served - written| over all we
 of |entries| (the quantity fingerprint.TOLERANCE bounds), for the sum and for the sum of |entries|.
 
 Usage:
-    python benchmarks/bench_fingerprint.py                                   # tiny and 2-layer Qwen, both dtypes and engines
-    python benchmarks/bench_fingerprint.py --shapes 0.6B --engines torch     # the controller's side at 0.6B
+    python benchmarks/inference/bench_fingerprint.py                                   # tiny and 2-layer Qwen, both dtypes and engines
+    python benchmarks/inference/bench_fingerprint.py --shapes 0.6B --engines torch     # the controller's side at 0.6B
 """
 
 import argparse
@@ -20,8 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: lib/ and benchmarks/
 
 
 def write_model(shape: str, dtype: str, out: Path) -> Path:

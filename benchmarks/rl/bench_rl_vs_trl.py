@@ -27,15 +27,15 @@ seed means), and plainrl's minus TRL's paired by seed and step (both sides sampl
 same step, so their difficulty cancels; the standard error is over every paired step, not 3 seed means).
 
 Usage:
-    python benchmarks/bench_rl_vs_trl.py --model outputs/tiny/sft/weights/step_2000
-    python benchmarks/bench_rl_vs_trl.py --model M --trl-python /tmp/trlvenv/bin/python --steps 20
-    python benchmarks/bench_rl_vs_trl.py --model M --trl-threads 1 --seeds 0 1 2   # a busy machine, three seeds
-    python benchmarks/bench_rl_vs_trl.py --model M --top-p 0.9 --top-k 20      # kept sets replayed
-    python benchmarks/bench_rl_vs_trl.py --model outputs/demo/sft/weights/step_150 --preset configs/smollm2/rl.toml \
+    python benchmarks/rl/bench_rl_vs_trl.py --model outputs/tiny/sft/weights/step_2000
+    python benchmarks/rl/bench_rl_vs_trl.py --model M --trl-python /tmp/trlvenv/bin/python --steps 20
+    python benchmarks/rl/bench_rl_vs_trl.py --model M --trl-threads 1 --seeds 0 1 2   # a busy machine, three seeds
+    python benchmarks/rl/bench_rl_vs_trl.py --model M --top-p 0.9 --top-k 20      # kept sets replayed
+    python benchmarks/rl/bench_rl_vs_trl.py --model outputs/demo/sft/weights/step_150 --preset configs/smollm2/rl.toml \
         --plainrl-args "--micro-batch-size 2 --model.dtype float32" --steps 4 --warmup 1   # the real model
     # the control on reverse_text itself: TRL trains on the tasks a demo's RL stage drew, in its order, and
     # eval.py scores the start model and both sides' last weights on the same held-out tasks
-    python benchmarks/bench_rl_vs_trl.py --model outputs/demo/sft/weights/step_200 --taskset reverse_text \
+    python benchmarks/rl/bench_rl_vs_trl.py --model outputs/demo/sft/weights/step_200 --taskset reverse_text \
         --plainrl-run outputs/demo/rl --warmup 0 --steps 30 --trl-bf16 --save-every 10 \
         --score configs/smollm2/eval.toml --out outputs/trl-control
 (bench_trl_grpo.py's docstring shows how to make the TRL virtualenv.)
@@ -50,7 +50,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: lib/ and benchmarks/
+from benchmarks.common import ROOT  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 
 

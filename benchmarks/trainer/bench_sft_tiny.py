@@ -9,8 +9,8 @@ reply format, 10-40 characters of English-looking words) through a JSONL file; t
 use another seed.
 
 Usage:
-    python benchmarks/bench_sft_tiny.py                          # fresh tiny model in a temp dir
-    python benchmarks/bench_sft_tiny.py --eval-every 250 -- --steps 1500 --optim.lr 3e-3
+    python benchmarks/trainer/bench_sft_tiny.py                          # fresh tiny model in a temp dir
+    python benchmarks/trainer/bench_sft_tiny.py --eval-every 250 -- --steps 1500 --optim.lr 3e-3
 """
 
 import argparse
@@ -24,9 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: lib/ and benchmarks/
+from benchmarks.common import ROOT  # noqa: E402
 
 ANSWER = re.compile(r"<reversed_text>(.*?)</reversed_text>", re.DOTALL)
 
@@ -67,9 +66,8 @@ def main() -> None:
     parser.add_argument("sft_flags", nargs="*", help="extra scripts/sft.py flags (after --)")
     args = parser.parse_args()
 
-    from bench_packing import load_sft, reverse_text_conversations, write_jsonl
-
     import lib.orchestrator.envs
+    from benchmarks.trainer.bench_packing import load_sft, reverse_text_conversations, write_jsonl
     from lib.config import parse
     from lib.models.tiny import write_tiny
     from lib.trainer.checkpoint import step_dirs, step_of
@@ -95,7 +93,7 @@ def main() -> None:
         )
     else:
         print(
-            "lib.orchestrator.envs has no sft_conversations yet: using benchmarks/bench_packing.py's generator"
+            "lib.orchestrator.envs has no sft_conversations yet: using benchmarks/trainer/bench_packing.py's generator"
         )
         count = parse(sft.Config, flags + args.sft_flags).data.num_examples
         train = reverse_text_conversations(count if count > 0 else 20000, 0, args.min_chars, args.max_chars)

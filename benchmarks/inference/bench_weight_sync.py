@@ -9,10 +9,10 @@ and checked the same way (fingerprint of the copies). The trainer is blocked for
 so every fingerprint sees new weights. Prints the median of each figure over the rounds.
 
 Usage:
-    python benchmarks/bench_weight_sync.py --model outputs/models/smollm2-135m-instruct
-    python benchmarks/bench_weight_sync.py --model outputs/models/smollm2-135m-instruct --engine vllm
+    python benchmarks/inference/bench_weight_sync.py --model outputs/models/smollm2-135m-instruct
+    python benchmarks/inference/bench_weight_sync.py --model outputs/models/smollm2-135m-instruct --engine vllm
     python scripts/qwen.py --qwen.shape 1.7B --out outputs/models/qwen3-1.7b-random
-    python benchmarks/bench_weight_sync.py --model outputs/models/qwen3-1.7b-random --master-dtype bfloat16
+    python benchmarks/inference/bench_weight_sync.py --model outputs/models/qwen3-1.7b-random --master-dtype bfloat16
 """
 
 import argparse
@@ -22,8 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: lib/ and benchmarks/
 
 
 def main() -> None:

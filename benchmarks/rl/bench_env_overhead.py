@@ -12,9 +12,9 @@ attached with --url), once one at a time and once at --concurrency, and reports 
 A warm-up round (not measured, same serving session) loads the tokenizer and opens the connections first.
 
 Usage:
-    python benchmarks/bench_env_overhead.py                              # tiny model, train and eval client
-    python benchmarks/bench_env_overhead.py --model outputs/models/tiny --rollouts 256 --concurrency 64
-    python benchmarks/bench_env_overhead.py --url http://127.0.0.1:8000/v1 --model outputs/models/tiny
+    python benchmarks/rl/bench_env_overhead.py                              # tiny model, train and eval client
+    python benchmarks/rl/bench_env_overhead.py --model outputs/models/tiny --rollouts 256 --concurrency 64
+    python benchmarks/rl/bench_env_overhead.py --url http://127.0.0.1:8000/v1 --model outputs/models/tiny
 """
 
 import argparse
@@ -30,8 +30,7 @@ import time
 import types
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: lib/ and benchmarks/
 
 
 async def run(vf_env, tasks, ctx, rollouts: int, concurrency: int) -> tuple[list, float, float]:

@@ -12,8 +12,8 @@ and the on-policy bias of scoring without them.
    seconds are noisy: read the ratios, which come from one run.
 
 Usage:
-    python benchmarks/bench_kept_sets.py --model outputs/tiny/sft/weights/step_2000
-    python benchmarks/bench_kept_sets.py --model outputs/models/qwen-test --rows 1 --length 256
+    python benchmarks/inference/bench_kept_sets.py --model outputs/tiny/sft/weights/step_2000
+    python benchmarks/inference/bench_kept_sets.py --model outputs/models/qwen-test --rows 1 --length 256
 """
 
 import argparse
@@ -23,8 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: lib/ and benchmarks/
 
 TOP_K, TOP_P = 20, 0.9
 

@@ -7,8 +7,8 @@ runs in a fresh process whose address space is capped (--cap-gib), and the peak 
 printed; a case that needs more than the cap reports it with the logits' arithmetic instead.
 
 Usage:
-    python benchmarks/bench_vocab_memory.py                 # 1k, 4k and 16k loss tokens
-    python benchmarks/bench_vocab_memory.py --tokens 1024 2048 --cap-gib 16
+    python benchmarks/trainer/bench_vocab_memory.py                 # 1k, 4k and 16k loss tokens
+    python benchmarks/trainer/bench_vocab_memory.py --tokens 1024 2048 --cap-gib 16
 """
 
 import argparse
@@ -19,8 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: lib/ and benchmarks/
 VOCAB = 151_936
 GIB = 1024**3
 

@@ -10,8 +10,8 @@ both runs), the standard deviation of the per-task differences over sqrt(tasks).
 gains are a few hundredths, so a bare difference would be noise.
 
 Usage:
-    python benchmarks/bench_filter.py --minutes 4                                   # configs/mix/rl.toml
-    python benchmarks/bench_filter.py --minutes 4 -- --model.name DIR --eval.num-examples 16
+    python benchmarks/rl/bench_filter.py --minutes 4                                   # configs/mix/rl.toml
+    python benchmarks/rl/bench_filter.py --minutes 4 -- --model.name DIR --eval.num-examples 16
 """
 
 import argparse
@@ -23,7 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: lib/ and benchmarks/
+from benchmarks.common import ROOT  # noqa: E402
 
 
 def run_arm(out: Path, minutes: float, flags: list[str]) -> float:

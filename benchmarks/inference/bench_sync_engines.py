@@ -7,8 +7,8 @@ machine state. Per engine it prints the server's start time, the mean seconds of
 over the step's time, steps after the first). Needs `make setup-vllm`.
 
 Usage:
-    python benchmarks/bench_sync_engines.py                 # 20 steps each
-    python benchmarks/bench_sync_engines.py --steps 40
+    python benchmarks/inference/bench_sync_engines.py                 # 20 steps each
+    python benchmarks/inference/bench_sync_engines.py --steps 40
 """
 
 import argparse
@@ -17,14 +17,12 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: lib/ and benchmarks/
+from benchmarks.common import ROOT  # noqa: E402
 
 
 def run(engine: str, model: Path, out: Path, steps: int) -> dict:
-    from conftest import load_script
-
+    from benchmarks.common import load_script
     from lib.config import parse
     from lib.inference import launch
 

@@ -14,7 +14,7 @@ them, over the forward, backward and optimizer step's seconds). The last line is
 Usage:
     python scripts/tiny.py --out /tmp/tiny
     python scripts/sft.py @ configs/tiny/sft.toml --model.name /tmp/tiny --output-dir /tmp/sft150 --steps 150
-    python benchmarks/bench_plain_loop.py /tmp/sft150/weights/step_150 --steps 10 --threads 1
+    python benchmarks/rl/bench_plain_loop.py /tmp/sft150/weights/step_150 --steps 10 --threads 1
 """
 
 import argparse
@@ -23,9 +23,7 @@ import json
 import statistics
 import time
 
-import torch
 from bench_trl_grpo import make_prompts, reward
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 def main() -> None:
@@ -42,6 +40,9 @@ def main() -> None:
         "--bf16", action="store_true", help="bf16 autocast over float32 weights, as plainrl's trainer."
     )
     args = parser.parse_args()
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)

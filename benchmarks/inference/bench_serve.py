@@ -9,8 +9,8 @@ tokens/s = c * max_tokens / wall time, best of --repeats rounds. The two never r
 rounds alternate, so both see the same load on a shared machine.
 
 Usage:
-    python benchmarks/bench_serve.py
-    python benchmarks/bench_serve.py --max-tokens 128 --repeats 5 --concurrency 1 8 64 --threads 1
+    python benchmarks/inference/bench_serve.py
+    python benchmarks/inference/bench_serve.py --max-tokens 128 --repeats 5 --concurrency 1 8 64 --threads 1
 """
 
 import argparse
@@ -20,20 +20,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import aiohttp
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: lib/ and benchmarks/
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from lib import endpoint  # noqa: E402
-from lib.inference import launch  # noqa: E402
-from lib.models.tiny import TinyConfig, write_tiny  # noqa: E402
-
+# TinyConfig's fields of each model (lib/models/tiny.py).
 MODELS = {
-    "tiny": TinyConfig(),
-    "30M": TinyConfig(hidden_size=512, num_hidden_layers=10, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-                      intermediate_size=1536),
+    "tiny": {},
+    "30M": dict(hidden_size=512, num_hidden_layers=10, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                intermediate_size=1536),
 }  # fmt: skip
 
 
@@ -54,6 +47,8 @@ async def server_round(session, prompts: list[list[int]], max_tokens: int, model
 
 
 def generate_round(model, tokenizer, prompts: list[list[int]], max_tokens: int) -> float:
+    import torch
+
     batch = tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt")
     start = time.perf_counter()
     with torch.inference_mode():
@@ -74,6 +69,8 @@ def generate_round(model, tokenizer, prompts: list[list[int]], max_tokens: int) 
 
 async def compare(url, model, tokenizer, all_prompts, args) -> list[tuple[int, float, float]]:
     """(concurrency, server tokens/s, generate tokens/s), best of args.repeats alternating rounds each."""
+    import aiohttp
+
     # One client for the whole run, its connections kept alive, like a real controller's. aiohttp (installed
     # with verifiers) rather than httpx: on a 2-core machine httpx's own CPU time would be measured too.
     # Idle connections are dropped after 3 s, before uvicorn closes them (5 s), so none is reused half-closed.
@@ -103,20 +100,25 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument(
-        "--threads", type=int, default=torch.get_num_threads(), help="torch threads, both sides"
+        "--threads", type=int, default=None, help="torch threads, both sides (default: torch's)"
     )
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
 
+    import torch
     from transformers import AutoModelForCausalLM
 
+    from lib import endpoint
+    from lib.inference import launch
     from lib.models.load import load_tokenizer
+    from lib.models.tiny import TinyConfig, write_tiny
+
+    torch.set_num_threads(args.threads or torch.get_num_threads())
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, max_tokens {args.max_tokens}")
     print(f"{'model':>6} {'params':>7} {'conc':>5} {'server tok/s':>13} {'generate tok/s':>15} {'ratio':>6}")
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
-            model_dir = write_tiny(Path(tmp) / name, MODELS[name])
+            model_dir = write_tiny(Path(tmp) / name, TinyConfig(**MODELS[name]))
             tokenizer = load_tokenizer(str(model_dir))
             tokenizer.padding_side = "left"
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -1,11 +1,11 @@
 """Gathers, here, the wheels plainrl needs on a lent GPU machine (Python 3.12, manylinux x86-64, no network),
 and checks that they resolve together with that machine's own packages.
 
-The machine's packages (benchmarks/gpu_machine_packages.txt) stay as they are, torch above all: its CUDA
+The machine's packages (benchmarks/gpu/gpu_machine_packages.txt) stay as they are, torch above all: its CUDA
 build is GBs and cannot travel. Everything else plainrl needs, pyproject's dependencies and what they
 need in turn (each wheel's Requires-Dist, markers for Python 3.12 on Linux x86-64), is downloaded at
 requirements.lock's version. Two of plainrl's ranges do not apply there and are relaxed, not carried:
-torch==2.13.0 (the machine's torch runs plainrl from the source tree; benchmarks/gpu_check.py fails in
+torch==2.13.0 (the machine's torch runs plainrl from the source tree; benchmarks/gpu/gpu_check.py fails in
 one sentence where an API plainrl calls is missing) and numpy<2.4 (for vLLM's mistral-common; no vLLM
 there). Any other machine package whose version, where known, falls outside a range plainrl or a carried
 wheel asks for is carried at the lock's version instead (it then shadows the machine's), and said so.
@@ -17,9 +17,9 @@ every wheel in the folder. Stale wheels in the folder (another lock) are removed
 empty, or one this script gathered (its record, gather_gpu_wheels.json, and wheels, nothing else).
 
 Usage:
-    python benchmarks/gather_gpu_wheels.py                  # gpu-wheels/ (make gpu-wheels runs the same)
-    python benchmarks/gather_gpu_wheels.py --out /tmp/wheels --check-only
-then on the GPU machine: python3 benchmarks/gpu_check.py --wheels gpu-wheels
+    python benchmarks/gpu/gather_gpu_wheels.py                  # gpu-wheels/ (make gpu-wheels runs the same)
+    python benchmarks/gpu/gather_gpu_wheels.py --out /tmp/wheels --check-only
+then on the GPU machine: python3 benchmarks/gpu/gpu_check.py --wheels gpu-wheels
 """
 
 import argparse
@@ -36,11 +36,10 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
-from common import claim_out  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: lib/ and benchmarks/
+from benchmarks.common import ROOT, claim_out  # noqa: E402
 
-MACHINE_FILE = ROOT / "benchmarks" / "gpu_machine_packages.txt"
+MACHINE_FILE = ROOT / "benchmarks" / "gpu" / "gpu_machine_packages.txt"
 PYTHON = "3.12"
 # The machine's glibc is 2.39 (Ubuntu 24.04's Python 3.12.3): every manylinux tag up to it runs there.
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in range(39, 4, -1)] + [

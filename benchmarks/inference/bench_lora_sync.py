@@ -14,8 +14,8 @@ outputs/test-cache has it, else an untrained one, whose groups are all flat), rl
 the same steps with --inference.lora-sync adapter and merged; the mean step and sync seconds after step 1.
 
 Usage:
-    python benchmarks/bench_lora_sync.py                              # 1.7B on vLLM's CPU build, 3 syncs each
-    python benchmarks/bench_lora_sync.py --shape test --engine torch   # a quick check
+    python benchmarks/inference/bench_lora_sync.py                              # 1.7B on vLLM's CPU build, 3 syncs each
+    python benchmarks/inference/bench_lora_sync.py --shape test --engine torch   # a quick check
 """
 
 import argparse
@@ -25,9 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: lib/ and benchmarks/
+from benchmarks.common import ROOT  # noqa: E402
 
 
 def directory_bytes(path: Path) -> int:
@@ -104,8 +103,7 @@ def real_shape(args, root: Path) -> None:
 
 
 def tiny_preset(args, root: Path) -> None:
-    from conftest import load_script
-
+    from benchmarks.common import load_script
     from lib.config import parse
     from lib.models.tiny import write_tiny
 

@@ -9,8 +9,8 @@ same tokens with its float32 weights twice: in float32 and under bf16 autocast (
 It prints the mean |logprob difference| per prompt, its mean and its largest value.
 
 Usage:
-    python benchmarks/bench_probe_tolerance.py              # 0.6B shape, 20 SFT steps, sharpened x4 and x16
-    python benchmarks/bench_probe_tolerance.py --shape test --sft-steps 30
+    python benchmarks/inference/bench_probe_tolerance.py              # 0.6B shape, 20 SFT steps, sharpened x4 and x16
+    python benchmarks/inference/bench_probe_tolerance.py --shape test --sft-steps 30
 """
 
 import argparse
@@ -21,9 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: lib/ and benchmarks/
+
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. 0123456789",
     "Reverse the text character-by-character: plainrl",
@@ -77,9 +76,9 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from conftest import load_script
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from benchmarks.common import load_script
     from lib.config import parse
     from lib.inference import launch
     from lib.inference.weights import reload

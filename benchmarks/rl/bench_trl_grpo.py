@@ -22,7 +22,7 @@ Usage:
     python3 -m venv /tmp/trlvenv
     /tmp/trlvenv/bin/pip install torch==2.13.0 && /tmp/trlvenv/bin/pip install trl==1.16.0 transformers==5.19.0
     python scripts/tiny.py --out /tmp/tinybench
-    /tmp/trlvenv/bin/python benchmarks/bench_trl_grpo.py /tmp/tinybench --steps 20 --warmup 2
+    /tmp/trlvenv/bin/python benchmarks/rl/bench_trl_grpo.py /tmp/tinybench --steps 20 --warmup 2
 """
 
 import argparse

@@ -22,11 +22,11 @@ Without --model, the tiny model is made and SFT-warmed as scripts/demo.py does (
 rate ending at 30% of its peak).
 
 Usage:
-    python benchmarks/bench_algorithms.py                                        # ~12 x 3 runs of 250 steps
-    python benchmarks/bench_algorithms.py --model outputs/demo-tiny/sft/weights/step_1200 --recipes dppo grpo
-    python benchmarks/bench_algorithms.py --configs dppo gspo cispo+kl --eval-every 50 --eval-examples 128
-    python benchmarks/bench_algorithms.py --steps 2 --seeds 1 --sft-steps 10 --eval-examples 4 --eval-every 1
-    python benchmarks/bench_algorithms.py --preset configs/smollm2/rl.toml --model outputs/demo-vllm/sft/weights/step_150 \
+    python benchmarks/rl/bench_algorithms.py                                        # ~12 x 3 runs of 250 steps
+    python benchmarks/rl/bench_algorithms.py --model outputs/demo-tiny/sft/weights/step_1200 --recipes dppo grpo
+    python benchmarks/rl/bench_algorithms.py --configs dppo gspo cispo+kl --eval-every 50 --eval-examples 128
+    python benchmarks/rl/bench_algorithms.py --steps 2 --seeds 1 --sft-steps 10 --eval-examples 4 --eval-every 1
+    python benchmarks/rl/bench_algorithms.py --preset configs/smollm2/rl.toml --model outputs/demo-vllm/sft/weights/step_150 \
         --configs dppo gspo cispo --override gspo="--loss.clip-low 0.01 --loss.clip-high 0.01" --steps 15 --eval-every 15
 """
 
@@ -39,7 +39,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: lib/ and benchmarks/
+from benchmarks.common import ROOT  # noqa: E402
+
 RECIPES = ["dppo", "grpo", "dr_grpo", "dapo", "gspo", "cispo"]
 
 

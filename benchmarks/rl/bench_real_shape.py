@@ -9,8 +9,8 @@ difference|, and the trainer's and the server's peak RSS during the step (sample
 up to 128 tokens; the default here is 2 x 4, and the rollout seconds scale about with the tokens generated.
 
 Usage:
-    python benchmarks/bench_real_shape.py                          # 0.6B shape, both engines, wait and keep
-    python benchmarks/bench_real_shape.py --shape test --steps 2   # the 2-layer shape, a quick check
+    python benchmarks/rl/bench_real_shape.py                          # 0.6B shape, both engines, wait and keep
+    python benchmarks/rl/bench_real_shape.py --shape test --steps 2   # the 2-layer shape, a quick check
 """
 
 import argparse
@@ -23,9 +23,9 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: lib/ and benchmarks/
+from benchmarks.common import ROOT  # noqa: E402
+
 GIB = 1024**3
 
 
@@ -46,8 +46,7 @@ def peak_rss(process_ids, peaks: dict, stop: threading.Event) -> None:
 
 def child(args) -> None:
     """rl.py in this process, its sync phases timed; prints one JSON line per step."""
-    from conftest import load_script
-
+    from benchmarks.common import load_script
     from lib.config import parse
     from lib.inference.weights import probing, reload
     from lib.trainer import servable
@@ -135,8 +134,7 @@ def rehearse(engine: str, pause_mode: str, model: Path, root: Path, args) -> tup
         ]
         command += ["--pause-mode", pause_mode, "--steps", str(args.steps), "--examples", str(args.examples)]
         command += ["--rollouts", str(args.rollouts), "--max-tokens", str(args.max_tokens), "--env", args.env]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "fixtures"), *sys.path])}
-        done = subprocess.run(command, capture_output=True, text=True, env=env)
+        done = subprocess.run(command, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     steps = [json.loads(line[5:]) for line in done.stdout.splitlines() if line.startswith("STEP ")]
     peaks = next(json.loads(line[6:]) for line in done.stdout.splitlines() if line.startswith("PEAKS "))
@@ -156,8 +154,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument(
         "--env",
-        default="letter_taskset",
-        help="letter_taskset (tests/fixtures: its reward varies for a random model, so every step trains) or "
+        default=str(ROOT / "benchmarks" / "letters.py"),
+        help="benchmarks/letters.py (its reward varies for a random model, so every step trains) or "
         "reverse_text (the recipe's own; a random model never writes its tags, every group is flat, nothing trains)",
     )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

@@ -7,8 +7,8 @@ and once without (one row per sample, padded to the longest in its micro-batch).
 tokens only (no padding) and is the median over the steps after the warm-up ones.
 
 Usage:
-    python benchmarks/bench_packing.py                      # builds the tiny model in a temp dir
-    python benchmarks/bench_packing.py --model outputs/models/tiny --steps 12 --max-words 120
+    python benchmarks/trainer/bench_packing.py                      # builds the tiny model in a temp dir
+    python benchmarks/trainer/bench_packing.py --model outputs/models/tiny --steps 12 --max-words 120
 """
 
 import argparse
@@ -22,8 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: lib/ and benchmarks/
+from benchmarks.common import ROOT  # noqa: E402
 
 SYSTEM_PROMPT = "Reverse the text character-by-character. Put your answer in <reversed_text> tags."
 WORDS = (

@@ -24,9 +24,9 @@ the trainer's seconds an iteration beside the server and alone (measured before 
 CPU the server's processes used.
 
 Usage (make smollm2 first; the vLLM rows need make setup-vllm):
-    python benchmarks/bench_generation.py
-    python benchmarks/bench_generation.py --engines torch --dtypes bfloat16 --concurrency 8 64
-    python benchmarks/bench_generation.py --dtypes bfloat16 --threads 1 --beside-trainer 6
+    python benchmarks/inference/bench_generation.py
+    python benchmarks/inference/bench_generation.py --engines torch --dtypes bfloat16 --concurrency 8 64
+    python benchmarks/inference/bench_generation.py --dtypes bfloat16 --threads 1 --beside-trainer 6
 """
 
 import argparse
@@ -38,15 +38,9 @@ import sys
 import time
 from pathlib import Path
 
-import aiohttp
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from bench_limits import DEFAULT_MODEL, bandwidth_gbs, matmul_gflops, threads  # noqa: E402
-from bench_serve import server_round  # noqa: E402
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: lib/ and benchmarks/
+from benchmarks.common import DEFAULT_MODEL, ROOT, bandwidth_gbs, matmul_gflops, threads  # noqa: E402
+from benchmarks.inference.bench_serve import server_round  # noqa: E402
 from lib.inference import launch  # noqa: E402
 
 BYTES = {"float32": 4, "bfloat16": 2}
@@ -84,6 +78,8 @@ def roofline(config, parameters: int, rows: int, prompt: int, new: int, dtype: s
 
 async def generate_round(url: str, prompts: list[list[int]], max_tokens: int) -> float:
     """bench_serve.py's round, on a session of its own against the server at `url`."""
+    import aiohttp
+
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(url.removesuffix("/v1"), timeout=timeout) as session:
         return await server_round(session, prompts, max_tokens, model="policy")

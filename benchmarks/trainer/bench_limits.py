@@ -5,7 +5,7 @@
   peak of a dtype is the best shape on one thread times the trainer's threads (the thread-count row shows
   how far the machine's other load lets that scale).
 - trainer: optimizer steps as sft.py and rl.py take them (lib/models/load.py load_trainable, lib/trainer/head.py's
-  chunked head; gpu_check.py's sft_loss and rl_loss) on one packed row of equal samples, full and LoRA,
+  chunked head; benchmarks/common.py's sft_loss and rl_loss) on one packed row of equal samples, full and LoRA,
   float32 and bf16 autocast (model.autocast off/on): tokens/s and MFU, model FLOPs/s over each peak.
   FLOPs: 6 x (the layers' linear weights) per token, plus 6 x the output layer per scored token, for
   full fine-tuning; 4 x each for LoRA, plus 6 x the adapters; plus causal attention, 12 x layers x heads
@@ -21,27 +21,33 @@ still counts the work alone. Every figure prints as it comes and goes to --out (
 figures of one run only.
 
 Usage:
-    python benchmarks/bench_limits.py                              # outputs/models/smollm2-135m-instruct
-    python benchmarks/bench_limits.py --threads 1 --tokens 1024 --profile --sections peaks trainer
-    python benchmarks/bench_limits.py --model outputs/models/tiny --sections peaks trainer
-    python benchmarks/bench_limits.py --sections sft --sft-modes float32 autocast bf16-weights
+    python benchmarks/trainer/bench_limits.py                              # outputs/models/smollm2-135m-instruct
+    python benchmarks/trainer/bench_limits.py --threads 1 --tokens 1024 --profile --sections peaks trainer
+    python benchmarks/trainer/bench_limits.py --model outputs/models/tiny --sections peaks trainer
+    python benchmarks/trainer/bench_limits.py --sections sft --sft-modes float32 autocast bf16-weights
 """
 
 import argparse
 import atexit
-import contextlib
 import json
 import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
-DEFAULT_MODEL = ROOT / "outputs" / "models" / "smollm2-135m-instruct"
-MATMUL_SECONDS = 0.4  # per shape, dtype and thread count
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: lib/ and benchmarks/
+from benchmarks.common import (  # noqa: E402
+    DEFAULT_MODEL,
+    Clock,
+    bandwidth_gbs,
+    fail,
+    matmul_gflops,
+    rl_loss,
+    sft_loss,
+    threads,
+)
+
 LORA_RANK = 16
 # sft.py's flags for each way of computing: bf16 weights train bf16 AdamW updates too (model.dtype bfloat16).
 SFT_MODES = {
@@ -49,18 +55,6 @@ SFT_MODES = {
     "autocast": ["--model.autocast", "on"],
     "bf16-weights": ["--model.dtype", "bfloat16", "--model.autocast", "off"],
 }
-
-
-@contextlib.contextmanager
-def threads(count: int):
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def shapes(config, tokens: int) -> dict[str, tuple[int, int, int]]:
@@ -76,49 +70,6 @@ def shapes(config, tokens: int) -> dict[str, tuple[int, int, int]]:
         "output_layer": (min(tokens, 1024), hidden, config.vocab_size),
         "up_proj_grad": (hidden, tokens, inner),
     }
-
-
-class Clock:
-    """Wall and CPU seconds (every thread of the process) since it started: on a shared machine CPU time
-    still counts what the work itself took, where the wall clock counts the neighbours too."""
-
-    def __init__(self):
-        self.wall, self.cpu = time.perf_counter(), time.process_time()
-
-    def seconds(self) -> tuple[float, float]:
-        return time.perf_counter() - self.wall, time.process_time() - self.cpu
-
-
-def matmul_gflops(m: int, k: int, n: int, dtype) -> tuple[float, float]:
-    """GFLOP per wall second and per CPU second of `(m, k) @ (k, n)` in `dtype`."""
-    import torch
-
-    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
-    for _ in range(2):
-        a @ b
-    calls, clock = 0, Clock()
-    while clock.seconds()[0] < MATMUL_SECONDS:
-        a @ b
-        calls += 1
-    wall, cpu = clock.seconds()
-    return 2 * m * k * n * calls / wall / 1e9, 2 * m * k * n * calls / cpu / 1e9
-
-
-def bandwidth_gbs() -> dict:
-    """GB per wall second moved by a copy (read + write) and a sum (read) of 1 GiB of float32."""
-    import torch
-
-    source = torch.ones(2**28)
-    target = torch.empty_like(source).copy_(source)  # the pages exist before the clock starts
-    clock = Clock()
-    for _ in range(3):
-        target.copy_(source)
-    copy = 3 * 2 * source.numel() * 4 / clock.seconds()[0] / 1e9
-    clock = Clock()
-    for _ in range(3):
-        source.sum()
-    read = 3 * source.numel() * 4 / clock.seconds()[0] / 1e9
-    return {"copy_gbs": copy, "sum_gbs": read}
 
 
 def section_peaks(config, tokens: int, trainer_threads: int) -> dict:
@@ -195,8 +146,6 @@ def packed_row(vocab_size: int, tokens: int, samples: int):
 
 
 def trainer_row(model_dir: str, kind: str, lora_rank: int, bf16: bool, args, peaks: dict) -> dict:
-    from gpu_check import rl_loss, sft_loss
-
     from lib.models.load import ModelConfig
     from lib.trainer.optim import OptimConfig, build_optimizer, optimizer_step
     from lib.trainer.trainable import LoraConfig, load_trainable
@@ -267,8 +216,7 @@ def trainer_row(model_dir: str, kind: str, lora_rank: int, bf16: bool, args, pea
 
 
 def section_sft(model_dir: str, args) -> list[dict]:
-    from bench_packing import load_sft, reverse_text_conversations, write_jsonl
-
+    from benchmarks.trainer.bench_packing import load_sft, reverse_text_conversations, write_jsonl
     from lib.config import parse
 
     work = Path(tempfile.mkdtemp(prefix="bench_limits_"))
@@ -302,14 +250,12 @@ def section_sft(model_dir: str, args) -> list[dict]:
 
 
 def main() -> None:
-    import torch
-
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default=str(DEFAULT_MODEL), help="a Hugging Face model directory")
     parser.add_argument("--sections", nargs="+", default=["peaks", "trainer", "sft"])
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="the trainer's threads")
+    parser.add_argument("--threads", type=int, default=None, help="the trainer's threads (default: torch's)")
     parser.add_argument("--tokens", type=int, default=512, help="tokens of the trainer's packed row")
     parser.add_argument("--samples", type=int, default=4, help="equal samples packed in that row")
     parser.add_argument("--steps", type=int, default=1, help="timed optimizer steps per trainer row")
@@ -323,13 +269,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="write every figure here as JSON")
     args = parser.parse_args()
     if not (Path(args.model) / "config.json").is_file():
-        sys.exit(
-            f"error: {args.model} is not a Hugging Face model directory (`make smollm2` writes the default)."
-        )
+        fail(f"{args.model} is not a Hugging Face model directory (`make smollm2` writes the default).")
 
+    import torch
     from transformers import AutoConfig
 
     from lib.models.load import cpu_has_bf16, cpu_name
+
+    args.threads = args.threads or torch.get_num_threads()
 
     config = AutoConfig.from_pretrained(args.model).get_text_config()
 

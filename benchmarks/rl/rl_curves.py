@@ -7,8 +7,8 @@ sampled completions get wrong, counted by kind (reverse_text and plainrl_arithme
 table and draws the curves into one PNG. Reads only what the runs wrote; runs nothing.
 
 Usage:
-    python benchmarks/rl_curves.py preset=outputs/curves/preset trl=outputs/curves/trl --plot docs/curves.png
-    python benchmarks/rl_curves.py outputs/curves/* --samples 3     # also quote 3 wrong completions a run
+    python benchmarks/rl/rl_curves.py preset=outputs/curves/preset trl=outputs/curves/trl --plot docs/curves.png
+    python benchmarks/rl/rl_curves.py outputs/curves/* --samples 3     # also quote 3 wrong completions a run
 """
 
 import argparse
@@ -21,7 +21,7 @@ from collections import Counter, defaultdict
 from difflib import SequenceMatcher
 from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: lib/ and benchmarks/
 
 
 def read_jsonl(path: Path) -> list[dict]:
