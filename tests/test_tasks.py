@@ -332,3 +332,40 @@ def test_an_environment_file_with_fewer_examples_than_a_step_takes_is_refused(tm
     ):
         check_env_ids(EnvConfig(id=str(three), num_examples=2), examples_per_step=3)
     check_env_ids(EnvConfig(id=str(three)), examples_per_step=3)
+
+
+def test_an_environment_files_reward_is_any_real_number_that_fits_a_float(tmp_path):
+    # Seen: np.isclose's numpy bool, a 0-d array and a torch scalar were refused, where float() took them; and
+    # 10**400 escaped as OverflowError, which verifiers counted as a failed rollout instead of ending the run.
+    import asyncio
+    import types
+
+    from lib.config import UserError
+
+    path = tmp_path / "numeric.py"
+    path.write_text(
+        "import fractions\n\nimport numpy as np\nimport torch\n\n"
+        "VALUES = [np.isclose(1.0, 1.0), np.float32(0.5), np.array(0.25), torch.tensor(0.75), np.int64(2),\n"
+        "          fractions.Fraction(1, 4), torch.tensor(True), 10**400, np.array([1.0]), np.float64('nan'),\n"
+        "          torch.tensor(float('inf')), 1j]\n\n"
+        "def examples():\n"
+        "    return [{'prompt': f'p{index}', 'id': f'ex{index}'} for index in range(len(VALUES))]\n\n"
+        "def reward(completion, example):\n"
+        "    return VALUES[int(example['id'][2:])]\n"
+    )
+    env = EnvConfig(id=str(path))
+    tasks = list(load_tasks(load_env(env), env).taskset)
+    trace = types.SimpleNamespace(last_reply="a reply")
+
+    def score(index: int) -> float:
+        return asyncio.run(tasks[index].file_reward(tasks[index].data, trace))
+
+    scores = [score(index) for index in range(7)]
+    assert scores == [1.0, 0.5, 0.25, 0.75, 2.0, 0.25, 1.0] and {type(s) for s in scores} == {float}
+    for index, shown in [(7, "1000000"), (8, "array([1.])"), (9, "nan"), (10, "tensor(inf)"), (11, "1j")]:
+        with pytest.raises(UserError) as error:
+            score(index)
+        message = str(error.value)
+        assert f"environment file {path}: reward(completion, example) returned " in message, message
+        assert shown in message and f"for example ex{index}" in message and "\n" not in message, message
+        assert len(message) < 300, message  # 10**400's 401 digits are not all shown
