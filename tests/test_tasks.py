@@ -1,5 +1,6 @@
 """lib/orchestrator/tasks.py: taskset ids and arguments, synthetic and hub data, tasks drawn lazily by index, task ids, SFT conversations."""
 
+import json
 import sys
 import time
 import tracemalloc
@@ -369,3 +370,25 @@ def test_an_environment_files_reward_is_any_real_number_that_fits_a_float(tmp_pa
         assert f"environment file {path}: reward(completion, example) returned " in message, message
         assert shown in message and f"for example ex{index}" in message and "\n" not in message, message
         assert len(message) < 300, message  # 10**400's 401 digits are not all shown
+
+
+def test_an_environment_file_in_a_mixture_needs_only_the_examples_its_share_of_a_step_takes(tmp_path):
+    # Seen: a file of 4 examples at a 10% share was refused because "one step takes 8".
+    from lib.config import UserError
+    from lib.orchestrator.tasks import check_env_ids
+
+    four = tmp_path / "four.py"
+    four.write_text(
+        "def examples():\n    return [{'prompt': str(i)} for i in range(4)]\n\n"
+        "def reward(completion, example):\n    return 1.0\n"
+    )
+    entry = json.dumps({"id": str(four), "ratio": 1})
+    check_env_ids(EnvConfig(id="reverse_text", ratio=9, mix=(entry,)), examples_per_step=8)  # 0.8 a step
+    check_env_ids(EnvConfig(id="reverse_text", ratio=1, mix=(entry,)), examples_per_step=8)  # 4 a step
+    with pytest.raises(
+        UserError, match=r"gave 4 examples, and its share of a step takes 5 \(50% of examples_per_step 10\)"
+    ):
+        check_env_ids(EnvConfig(id="reverse_text", ratio=1, mix=(entry,)), examples_per_step=10)
+    few = json.dumps({"id": str(four), "ratio": 1, "num_examples": 2})
+    with pytest.raises(UserError, match=r"env.num_examples takes 2, and its share of a step takes 3"):
+        check_env_ids(EnvConfig(id="reverse_text", ratio=2, mix=(few,)), examples_per_step=8)
