@@ -392,3 +392,45 @@ def test_an_environment_file_in_a_mixture_needs_only_the_examples_its_share_of_a
     few = json.dumps({"id": str(four), "ratio": 1, "num_examples": 2})
     with pytest.raises(UserError, match=r"env.num_examples takes 2, and its share of a step takes 3"):
         check_env_ids(EnvConfig(id="reverse_text", ratio=2, mix=(few,)), examples_per_step=8)
+
+
+BROKEN_FILES = {  # an environment file's own bug, what the sentence that ends the run names, and where it is met
+    "imports.py": (
+        "import no_such_module_of_plainrl\n\ndef examples():\n    return []",
+        "failed to import: ModuleNotFoundError",
+        "checked",
+    ),
+    "at_once.py": (
+        "def examples():\n    return {}['rows']",
+        "its examples() raised KeyError: 'rows'",
+        "both",
+    ),
+    "later.py": (  # its first example is whole: the checks pass, reading on fails
+        "def examples():\n    for row in [{'prompt': 'a'}, {}]:\n        yield {'prompt': row['prompt'], 'answer': 'b'}",
+        "its examples() raised KeyError: 'prompt'",
+        "read",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", BROKEN_FILES)
+def test_an_environment_file_that_fails_to_import_or_give_examples_is_one_sentence_in_every_script(
+    tmp_path, name
+):
+    """What rl.py and eval.py check before their run directory (check_env_ids) and sft.py (check_data), then
+    what sft.py reads (load_conversations) and the episodes' tasks: each ends in one sentence naming the file."""
+    from lib.config import UserError
+    from lib.orchestrator.data import check_data, load_conversations
+    from lib.orchestrator.tasks import check_env_ids
+
+    code, error, where = BROKEN_FILES[name]
+    path = tmp_path / name
+    path.write_text(code + "\n\ndef reward(completion, example):\n    return 1.0\n")
+    env = EnvConfig(id=str(path))
+    checks = [lambda: check_env_ids(env), lambda: check_data(env)]
+    reads = [lambda: load_conversations(env), lambda: list(load_tasks(load_env(env), env).taskset)]
+    for step in {"checked": checks, "read": reads, "both": checks + reads}[where]:
+        with pytest.raises(UserError) as refused:
+            step()
+        message = str(refused.value)
+        assert message.startswith(f"environment file {path}") and error in message and "\n" not in message

@@ -40,7 +40,12 @@ def env_file(path: str):
         raise UserError(f"environment file {path} does not exist.")
     spec = importlib.util.spec_from_file_location(f"plainrl_env_{file.stem}", file)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except (
+        Exception
+    ) as error:  # the file's own bug (a module it imports is missing, say), told with its message
+        raise UserError(f"environment file {path} failed to import: {told(error)}") from None
     for name, arguments in (("examples", ()), ("reward", ("completion", "example"))):
         function = getattr(module, name, None)
         try:
@@ -51,6 +56,21 @@ def env_file(path: str):
                 f"(docs/environments.md), and its {name} is {'missing' if function is None else 'not that'}."
             ) from None
     return module
+
+
+def told(error: Exception) -> str:
+    """An exception as one line: its type, then its message."""
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"
+
+
+def file_examples(path: str):
+    """An environment file's examples() as it gives them; one it raises while giving them (its own bug) ends
+    the run in one sentence that names the file and the error."""
+    module = env_file(path)
+    try:
+        yield from module.examples()
+    except Exception as error:
+        raise UserError(f"environment file {path}: its examples() raised {told(error)}") from None
 
 
 def module_name(env_id: str) -> str:
@@ -202,7 +222,7 @@ def check_examples(env: EnvConfig, examples_per_step: int, share: float = 1.0) -
         if share == 1
         else f"its share of a step takes {takes} ({share:.0%} of examples_per_step {examples_per_step})"
     )
-    count = sum(1 for _ in itertools.islice(env_file(env.id).examples(), takes))
+    count = sum(1 for _ in itertools.islice(file_examples(env.id), takes))
     if count == 0:
         raise UserError(f"{file}: its examples() gave no examples.")
     if count < takes:

@@ -17,7 +17,7 @@ import verifiers.v1 as vf
 from pydantic import model_validator
 
 from lib.config import UserError
-from lib.orchestrator.tasks import env_file
+from lib.orchestrator.tasks import env_file, file_examples, told
 
 
 class FileConfig(vf.TasksetConfig):
@@ -56,10 +56,7 @@ class FileTask(vf.Task[FileData, vf.State, vf.TaskConfig]):
             if inspect.isawaitable(score):
                 score = await score
         except Exception as error:  # the file's own bug, told with its message
-            message = " ".join(str(error).split())
-            raise UserError(
-                f"{where} raised {type(error).__name__}: {message} on example {task.id}"
-            ) from None
+            raise UserError(f"{where} raised {told(error)} on example {task.id}") from None
         value = real_number(score)
         if value is None:
             raise UserError(
@@ -89,7 +86,7 @@ class FileTaskset(vf.Taskset[FileTask, FileConfig]):
     def load(self):
         module = env_file(self.config.path)
         system_prompt = getattr(module, "SYSTEM_PROMPT", None)
-        for index, example in enumerate(module.examples()):
+        for index, example in enumerate(file_examples(self.config.path)):
             if 0 <= self.config.num_examples <= index:
                 return
             if not isinstance(example, dict) or "prompt" not in example:
