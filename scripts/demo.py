@@ -369,6 +369,10 @@ def start_over(out: Path) -> str:
 def check_settings(cfg: Config) -> None:
     """Keeps the settings in out/demo.toml, or refuses a rerun with others: the stages done were made with them."""
     path = cfg.out / SETTINGS
+    if file := next((p for p in (cfg.out, *cfg.out.parents) if p.exists() and not p.is_dir()), None):
+        raise UserError(
+            f"--out {cfg.out}: {file} is a file, not a directory: give the demo another --out DIR"
+        )
     if path.is_file():
         saved, given = tomllib.loads(path.read_text()), to_dict(cfg)
         changed = [

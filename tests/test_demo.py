@@ -573,3 +573,13 @@ def test_a_stage_whose_presets_or_taskset_changed_is_redone_with_the_stages_afte
         code.write("# changed\n")
     assert rerun() == ["sft.py", "eval.py after-sft", "rl.py", "eval.py after-rl"]
     assert "nothing to do" in rerun()[0]
+
+
+def test_an_out_that_is_a_file_is_refused_in_one_sentence(tmp_path):
+    # Seen: `--out FILE` ended in FileExistsError's traceback.
+    mine = tmp_path / "notes.txt"
+    mine.write_text("mine")
+    for out in (mine, mine / "demo"):
+        with pytest.raises(UserError, match=rf"^--out {out}: {mine} is a file, not a directory"):
+            demo.main(demo.Config(out=out, **TOY))
+    assert mine.read_text() == "mine" and list(tmp_path.iterdir()) == [mine]
