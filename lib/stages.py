@@ -1,13 +1,16 @@
 """A pipeline of stages that a rerun goes on with: each stage is skipped when it is done and was made from the
-same inputs (the sha256 of each file) as now, recorded in a JSON file once it finished."""
+same inputs (the sha256 of each file, and its settings) as now, recorded in a JSON file once it finished."""
 
 import dataclasses
 import functools
+import importlib.util
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from lib.config import write_atomically
+from lib.config import parse, to_dict, write_atomically
+from lib.venv import ROOT
 
 STARTED = "started"  # the record's entry for what each training stage last started from, finished or not
 
@@ -23,6 +26,8 @@ class Stage:
     inputs: tuple[Path, ...] = ()
     run_dir: Path | None = None
     """A training stage's: its run there is set aside (lib/trainer/checkpoint.py) when its inputs changed."""
+    settings: object = None
+    """What else it is made from, as JSON-ready data (scripts/demo.py: its commands' resolved configs)."""
 
 
 @functools.cache
@@ -34,14 +39,37 @@ def sha256(path: Path, size: int, mtime_ns: int) -> str:
 
 
 def contents(paths: tuple[Path, ...]) -> list[dict[str, str]]:
-    """What a stage starts from: for each path, the sha256 of each file (under a directory, by relative name)."""
+    """What a stage starts from: for each path, the sha256 of each file (under a directory, by relative name;
+    Python's __pycache__ left out, which importing a taskset writes)."""
     found = []
     for path in paths:
-        files = [file for file in (sorted(path.rglob("*")) if path.is_dir() else [path]) if file.is_file()]
+        files = sorted(path.rglob("*")) if path.is_dir() else [path]
+        files = [
+            file for file in files if file.is_file() and "__pycache__" not in file.relative_to(path).parts
+        ]
         found.append(
             {str(f.relative_to(path)): sha256(f, f.stat().st_size, f.stat().st_mtime_ns) for f in files}
         )
     return found
+
+
+def resolved_command(args: list[str], out: Path) -> dict:
+    """What a command (`scripts/x.py ...`) runs with from scratch, as its script resolves it (its defaults < the
+    presets < the flags; not --resume, which reads the run's own config), as a stage's settings: a preset
+    changed since redoes the stage. Paths in `out` are named from it, so that a moved pipeline goes on."""
+    name = f"plainrl_script_{Path(args[0]).stem}"
+    if name not in sys.modules:  # scripts are not a package; tyro reads the Config's docstrings in its module
+        spec = importlib.util.spec_from_file_location(name, ROOT / args[0])
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    config = parse(sys.modules[name].Config, [arg for arg in args[1:] if arg != "--resume"])
+    return json.loads(json.dumps(to_dict(config)).replace(json.dumps(str(out))[1:-1], "<out>"))
+
+
+def made_of(stage: Stage) -> list:
+    """A stage's inputs' contents, then its settings (as JSON gives them back from the record)."""
+    settings = [] if stage.settings is None else [json.loads(json.dumps(stage.settings))]
+    return contents(stage.inputs) + settings
 
 
 def run_stages(every: list[Stage], record: Path, label: str) -> list[Stage]:
@@ -51,9 +79,7 @@ def run_stages(every: list[Stage], record: Path, label: str) -> list[Stage]:
 
     def is_done(stage: Stage) -> bool:
         """Done, and made from what its inputs hold now (a stage an older run made, unrecorded, is trusted)."""
-        return stage.done() and made_from.setdefault(stage.name, contents(stage.inputs)) == contents(
-            stage.inputs
-        )
+        return stage.done() and made_from.setdefault(stage.name, made_of(stage)) == made_of(stage)
 
     # A stage is judged when its turn comes, after the stages before it ran: they may change its inputs.
     first = next((index for index, stage in enumerate(every) if not is_done(stage)), len(every))
@@ -76,7 +102,7 @@ def run_stages(every: list[Stage], record: Path, label: str) -> list[Stage]:
     for stage in every[first:]:
         if is_done(stage):
             continue
-        inputs = contents(stage.inputs)
+        inputs = made_of(stage)
         if stage.run_dir is not None:
             if started.get(stage.name, made_from.get(stage.name, inputs)) != inputs:
                 from lib.rundir import set_aside

@@ -20,8 +20,8 @@ start); vllm (`make demo-vllm`), one server of vLLM's CPU build for every evalua
 weights reloaded between stages (a start takes 1-2 minutes), the trainer on the core it leaves.
 
 Run again, it goes on where it stopped: a stage whose final output is there, made from the same inputs as now
-(<out>/inputs.json: the sha256 of the weights or results each stage was made from, recorded once it finished),
-is skipped; SFT and RL continue from their last checkpoint (`--resume`), or start over where their inputs
+(<out>/inputs.json, recorded once it finished: the sha256 of the weights or results it was made from and of its
+taskset's code, and its commands' configs as the scripts resolve them, presets included), is skipped; SFT and RL continue from their last checkpoint (`--resume`), or start over where their inputs
 changed (the old run set aside in its restarted/); and a finished demo is left untouched. An evaluation in
 which episodes failed (scored 0) stops the demo, naming it, and is redone by the next run. The settings are
 kept in <out>/demo.toml, and a rerun with other settings into the same directory is refused.
@@ -51,11 +51,13 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # finds lib/ outside 
 import lib.venv  # noqa: F401  (first: says which python to use when the dependencies are missing)
 from lib.config import UserError, parse, run_main, to_dict, write_config
 from lib.models.smollm2 import SMOLLM2_DIR
-from lib.stages import Stage, run_stages
+from lib.stages import Stage, resolved_command, run_stages
 from lib.venv import ROOT
 
 SETTINGS = "demo.toml"  # the settings the demo in a directory was started with
-INPUTS = "inputs.json"  # {stage: the sha256 of each file it was made from} (lib/stages.py)
+INPUTS = "inputs.json"  # {stage: the sha256 of each file it was made from, its settings} (lib/stages.py)
+CONFIGS = Path("configs")  # the presets, named in each stage's command as relative to the checkout
+TASKSETS = ROOT / "lib" / "orchestrator" / "tasksets"  # plainrl's own tasksets, a package each
 
 
 # Each recipe's settings where the command line leaves them out (None), besides the steps of its presets
@@ -125,6 +127,11 @@ class Config:
     def env(self) -> str:
         return "reverse_text" if self.recipe == "reverse-text" else "plainrl_arithmetic"
 
+    @property
+    def taskset(self) -> str:
+        """The package of the environment's code, under lib/orchestrator/tasksets/."""
+        return "plainrl_reverse_text" if self.recipe == "reverse-text" else "plainrl_arithmetic"
+
     def __post_init__(self):
         if self.recipe not in (None, "reverse-text") and self.model != "smollm2":
             raise UserError(f"--recipe {self.recipe} runs SmolLM2 only: the tiny model reads no arithmetic.")
@@ -139,7 +146,7 @@ def resolved(cfg: Config) -> Config:
         DEFAULTS["tiny" if cfg.model == "tiny" else "rl-first" if recipe == "rl-first" else "smollm2"]
     )
     for key, stage in (("sft_steps", "sft"), ("rl_steps", "rl")):
-        preset = ROOT / "configs" / cfg.presets / f"{stage}.toml"
+        preset = ROOT / CONFIGS / cfg.presets / f"{stage}.toml"
         if key not in filled:
             filled[key] = tomllib.loads(preset.read_text())["steps"]
     default = (
@@ -225,20 +232,29 @@ class SharedServer:
         return self.url
 
 
+def eval_commands(cfg: Config, model: Path, run_dir: Path) -> list[list[str]]:
+    """An evaluation's eval.py commands: sampled at the RL preset's temperature (1.0), on held-out tasks (the
+    eval preset's seed; the same ones every time), into `run_dir`; for the real model also greedily, into
+    <run_dir>-greedy."""
+    args = ["scripts/eval.py", cfg.env, "@", str(CONFIGS / cfg.presets / "eval.toml"), "-m", str(model)]
+    args += ["-n", str(cfg.eval_examples)]
+    runs = [(cfg.eval_rollouts, "1.0", run_dir)] + ([(1, "0.0", greedy(run_dir))] if cfg.real else [])
+    return [
+        [*args, "-r", str(rollouts), "--sampling.temperature", temperature]
+        + ["--output-dir", str(into.parent), "--name", into.name]
+        for rollouts, temperature, into in runs
+    ]
+
+
 def evaluate(cfg: Config, model: Path, run_dir: Path, shared: SharedServer | None = None) -> None:
-    """Sampled at the RL preset's temperature (1.0), on held-out tasks (the eval preset's seed; the same
-    ones every time); for the real model also greedily, into <run_dir>-greedy. With `shared`, on that server
-    after it loaded `model`."""
-    args = ["scripts/eval.py", cfg.env, "@", f"configs/{cfg.presets}/eval.toml", "-m", str(model)]
-    if shared is not None:
-        args[-1:] = [shared.NAME, "-b", shared.serving(model)]
-    args += ["-n", str(cfg.eval_examples), "-r", str(cfg.eval_rollouts), "--sampling.temperature", "1.0"]
-    run(*args, "--output-dir", str(run_dir.parent), "--name", run_dir.name)
-    check_scored(run_dir)
-    if cfg.real:
-        args[args.index("-r") + 1 : args.index("-r") + 4] = ["1", "--sampling.temperature", "0.0"]
-        run(*args, "--output-dir", str(run_dir.parent), "--name", greedy(run_dir).name)
-        check_scored(greedy(run_dir))
+    """eval_commands' evaluations of `model`, each stopping the demo when episodes failed. With `shared`, on
+    that server after it loaded `model`."""
+    for command, into in zip(eval_commands(cfg, model, run_dir), [run_dir, greedy(run_dir)]):
+        if shared is not None:
+            at = command.index("-m") + 1
+            command[at : at + 1] = [shared.NAME, "-b", shared.serving(model)]
+        run(*command)
+        check_scored(into)
 
 
 def plot(cfg: Config) -> Path:
@@ -285,16 +301,19 @@ def stages(cfg: Config, cleanup: contextlib.ExitStack) -> list[Stage]:
     script = "scripts/tiny.py" if cfg.model == "tiny" else "scripts/smollm2.py"
     sft_weights = sft / "weights" / f"step_{cfg.sft_steps}"
     rl_weights = rl / "weights" / f"step_{cfg.rl_steps}"
-    sft_command = ["scripts/sft.py", "@", f"configs/{cfg.presets}/sft.toml", "--model.name", str(model)]
+    sft_command = ["scripts/sft.py", "@", str(CONFIGS / cfg.presets / "sft.toml"), "--model.name", str(model)]
     sft_command += ["--steps", str(cfg.sft_steps), "--optim.min-lr-ratio", str(cfg.sft_min_lr_ratio)]
     # A checkpoint every quarter of the steps: that is the most a killed SFT stage loses.
     sft_command += ["--checkpoint-every", str(max(1, cfg.sft_steps // 4))]
     sft_command += ["--output-dir", str(sft), "--seed", str(cfg.seed), "--resume"]
     rl_start = sft_weights if cfg.sft else model
-    rl_command = ["scripts/rl.py", "@", f"configs/{cfg.presets}/rl.toml", "--model.name", str(rl_start)]
+    rl_command = ["scripts/rl.py", "@", str(CONFIGS / cfg.presets / "rl.toml"), "--model.name", str(rl_start)]
     rl_command += ["--steps", str(cfg.rl_steps), "--output-dir", str(rl), "--seed", str(cfg.seed), "--resume"]
     base, after_sft, after_rl = (cfg.out / "eval" / name for name in ("base", "after-sft", "after-rl"))
     shared = SharedServer(cfg, model, cleanup) if cfg.engine == "vllm" else None
+
+    def run_sft() -> None:
+        run(*sft_command)
 
     def run_rl() -> None:
         if shared is None:
@@ -309,21 +328,29 @@ def stages(cfg: Config, cleanup: contextlib.ExitStack) -> list[Stage]:
         """Whether an evaluation stage finished: its sampled run and, for the real model, its greedy one."""
         return evaluated(run_dir) and (not cfg.real or evaluated(greedy(run_dir)))
 
+    def made(name: str, finished, action, start: Path, commands: list, run_dir: Path | None = None) -> Stage:
+        """A stage made from its input weights, its taskset's code and its commands' resolved configs."""
+        settings = [resolved_command(command, cfg.out) for command in commands]
+        return Stage(name, finished, action, (start, TASKSETS / cfg.taskset), run_dir, settings)
+
     def evaluation(name: str, weights: Path, run_dir: Path) -> Stage:
-        return Stage(name, lambda: done(run_dir), lambda: evaluate(cfg, weights, run_dir, shared), (weights,))
+        def evaluating() -> None:
+            evaluate(cfg, weights, run_dir, shared)
+
+        return made(name, lambda: done(run_dir), evaluating, weights, eval_commands(cfg, weights, run_dir))
 
     return [
         Stage("model", (model / "config.json").is_file, lambda: run(script, "--out", str(model))),
         *([evaluation("eval of the base model", model, base)] if cfg.real else []),
         *(
             [
-                Stage("sft", lambda: trained(sft, cfg.sft_steps), lambda: run(*sft_command), (model,), sft),
+                made("sft", lambda: trained(sft, cfg.sft_steps), run_sft, model, [sft_command], sft),
                 evaluation("eval after SFT", sft_weights, after_sft),
             ]
             if cfg.sft
             else []
         ),
-        Stage("rl", lambda: trained(rl, cfg.rl_steps), run_rl, (rl_start,), rl),
+        made("rl", lambda: trained(rl, cfg.rl_steps), run_rl, rl_start, [rl_command], rl),
         evaluation("eval after RL", rl_weights, after_rl),
         Stage(
             "reward curve",
@@ -342,6 +369,10 @@ def start_over(out: Path) -> str:
 def check_settings(cfg: Config) -> None:
     """Keeps the settings in out/demo.toml, or refuses a rerun with others: the stages done were made with them."""
     path = cfg.out / SETTINGS
+    if file := next((p for p in (cfg.out, *cfg.out.parents) if p.exists() and not p.is_dir()), None):
+        raise UserError(
+            f"--out {cfg.out}: {file} is a file, not a directory: give the demo another --out DIR"
+        )
     if path.is_file():
         saved, given = tomllib.loads(path.read_text()), to_dict(cfg)
         changed = [

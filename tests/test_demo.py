@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import tomllib
+from pathlib import Path
 
 import pytest
 from conftest import load_script
@@ -504,3 +505,81 @@ def test_the_arithmetic_demo_runs_every_stage_held_out_on_a_small_model(tmp_path
     sft_data = sft_conversations(EnvConfig(id=sft_args["id"], args=sft_args["args"], num_examples=4000))
     taught = {arith.canonical(c[1]["content"].removeprefix("What is ").removesuffix("?")) for c in sft_data}
     assert len(scored) == 8 and trained and not scored & (trained | taught)
+
+
+def pretending(monkeypatch) -> list:
+    """Makes demo.run pretend each stage's command ran, in no time, and record it ("rl.py", "eval.py after-rl"):
+    it leaves the files the demo looks for, other weights and scores each time; the figure is a stand-in."""
+    ran = []
+
+    def pretended(*args, env=None):
+        script, made = args[0].removeprefix("scripts/"), str(len(ran))
+        if script == "tiny.py":
+            model = Path(args[args.index("--out") + 1])
+            model.mkdir(parents=True)
+            (model / "config.json").write_text(made)
+        elif script == "eval.py":
+            run_dir = Path(args[args.index("--output-dir") + 1]) / args[args.index("--name") + 1]
+            run_dir.mkdir(parents=True, exist_ok=True)
+            scores = [{"task_id": str(i), "rollout": 0, "reward": len(ran) % 2} for i in range(2)]
+            (run_dir / "results.jsonl").write_text("".join(json.dumps(s) + "\n" for s in scores))
+            (run_dir / "summary.json").write_text(json.dumps({"status": "ok", "avg_reward": len(ran) % 2}))
+            script += f" {run_dir.name}"
+        else:  # sft.py, rl.py
+            run_dir, steps = Path(args[args.index("--output-dir") + 1]), args[args.index("--steps") + 1]
+            (run_dir / "checkpoints" / f"step_{steps}").mkdir(parents=True)
+            (run_dir / "weights" / f"step_{steps}").mkdir(parents=True)
+            (run_dir / "weights" / f"step_{steps}" / "model.safetensors").write_text(made)
+        ran.append(script)
+
+    monkeypatch.setattr(demo, "run", pretended)
+    monkeypatch.setattr(demo, "plot", lambda cfg: (cfg.out / "reward_curve.png").write_bytes(b"\x89PNG"))
+    return ran
+
+
+def test_a_stage_whose_presets_or_taskset_changed_is_redone_with_the_stages_after_it(tmp_path, monkeypatch):
+    """Not only weights and results: a stage is made from its command's resolved config (the presets it reads
+    included) and its taskset's code, and a change in either redoes it and what it handed on."""
+    configs, tasksets = tmp_path / "configs", tmp_path / "tasksets"
+    shutil.copytree(demo.ROOT / "configs" / "tiny", configs / "tiny")
+    shutil.copytree(demo.TASKSETS / "plainrl_reverse_text", tasksets / "plainrl_reverse_text")
+    monkeypatch.setattr(demo, "CONFIGS", configs)
+    monkeypatch.setattr(demo, "TASKSETS", tasksets)
+    ran, cfg = pretending(monkeypatch), demo.Config(out=tmp_path / "demo", **TOY)
+
+    def rerun() -> list[str]:
+        ran.clear()
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            demo.main(cfg)
+        return ran if ran else [printed.getvalue()]
+
+    assert rerun() == ["tiny.py", "sft.py", "eval.py after-sft", "rl.py", "eval.py after-rl"]
+    assert "nothing to do" in rerun()[0]
+
+    def edit(path, old: str, new: str) -> None:
+        assert old in path.read_text()
+        path.write_text(path.read_text().replace(old, new))
+
+    edit(configs / "tiny" / "rl.toml", "lr = 3e-4", "lr = 0.5")
+    assert rerun() == ["rl.py", "eval.py after-rl"]
+    assert "nothing to do" in rerun()[0]
+    edit(configs / "tiny" / "eval.toml", "max_tokens = 128", "max_tokens = 100")
+    assert rerun() == ["eval.py after-sft", "eval.py after-rl"]
+    cache = tasksets / "plainrl_reverse_text" / "__pycache__"
+    cache.mkdir(exist_ok=True)
+    (cache / "__init__.cpython-311.pyc").write_bytes(b"compiled")  # written by an import, not the code
+    assert "nothing to do" in rerun()[0]
+    with open(tasksets / "plainrl_reverse_text" / "__init__.py", "a") as code:
+        code.write("# changed\n")
+    assert rerun() == ["sft.py", "eval.py after-sft", "rl.py", "eval.py after-rl"]
+    assert "nothing to do" in rerun()[0]
+
+
+def test_an_out_that_is_a_file_is_refused_in_one_sentence(tmp_path):
+    # Seen: `--out FILE` ended in FileExistsError's traceback.
+    mine = tmp_path / "notes.txt"
+    mine.write_text("mine")
+    for out in (mine, mine / "demo"):
+        with pytest.raises(UserError, match=rf"^--out {out}: {mine} is a file, not a directory"):
+            demo.main(demo.Config(out=out, **TOY))
+    assert mine.read_text() == "mine" and list(tmp_path.iterdir()) == [mine]

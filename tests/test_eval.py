@@ -474,3 +474,34 @@ def test_eval_of_an_environment_file_whose_reward_is_text_ends_in_one_sentence(e
             ValueError, match=rf"{path}: reward\(completion, example\) returned '1.0' for example first"
         ):
             eval_script.main(dataclasses.replace(config, output_dir=tmp_path / "out"))
+
+
+def test_an_environment_file_that_fails_to_import_or_to_give_examples_ends_eval_in_one_sentence(
+    eval_script, tmp_path, capsys
+):
+    # Seen: eval.py printed the ModuleNotFoundError's or the KeyError's traceback, where docs/environments.md
+    # promises one sentence naming the file.
+    reward = "\n\ndef reward(completion, example):\n    return 1.0\n"
+    files = {
+        "imports.py": (
+            "import no_such_module_of_plainrl\n\ndef examples():\n    return []" + reward,
+            "ModuleNotFoundError",
+        ),
+        "at_once.py": ("def examples():\n    return {}['rows']" + reward, "KeyError: 'rows'"),
+        "later.py": (
+            "def examples():\n    for row in [{'prompt': 'a'}, {}]:\n        yield {'prompt': row['prompt']}"
+            + reward,
+            "KeyError: 'prompt'",
+        ),
+    }
+    for name, (code, error) in files.items():
+        (tmp_path / name).write_text(code)
+        out = tmp_path / "out"
+        argv = [str(tmp_path / name), "-b", "http://127.0.0.1:9/v1", "-n", "2", "--output-dir", str(out)]
+        with pytest.raises(SystemExit) as exit_info:
+            run_main(eval_script.main, parse(eval_script.Config, argv))
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and "Traceback" not in err, err
+        last = err.strip().splitlines()[-1]
+        assert last.startswith(f"error: environment file {tmp_path / name}") and error in last, last
+        assert not out.exists()  # nothing left behind

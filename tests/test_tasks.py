@@ -1,5 +1,6 @@
 """lib/orchestrator/tasks.py: taskset ids and arguments, synthetic and hub data, tasks drawn lazily by index, task ids, SFT conversations."""
 
+import json
 import sys
 import time
 import tracemalloc
@@ -332,3 +333,104 @@ def test_an_environment_file_with_fewer_examples_than_a_step_takes_is_refused(tm
     ):
         check_env_ids(EnvConfig(id=str(three), num_examples=2), examples_per_step=3)
     check_env_ids(EnvConfig(id=str(three)), examples_per_step=3)
+
+
+def test_an_environment_files_reward_is_any_real_number_that_fits_a_float(tmp_path):
+    # Seen: np.isclose's numpy bool, a 0-d array and a torch scalar were refused, where float() took them; and
+    # 10**400 escaped as OverflowError, which verifiers counted as a failed rollout instead of ending the run.
+    import asyncio
+    import types
+
+    from lib.config import UserError
+
+    path = tmp_path / "numeric.py"
+    path.write_text(
+        "import fractions\n\nimport numpy as np\nimport torch\n\n"
+        "VALUES = [np.isclose(1.0, 1.0), np.float32(0.5), np.array(0.25), torch.tensor(0.75), np.int64(2),\n"
+        "          fractions.Fraction(1, 4), torch.tensor(True), 10**400, np.array([1.0]), np.float64('nan'),\n"
+        "          torch.tensor(float('inf')), 1j]\n\n"
+        "def examples():\n"
+        "    return [{'prompt': f'p{index}', 'id': f'ex{index}'} for index in range(len(VALUES))]\n\n"
+        "def reward(completion, example):\n"
+        "    return VALUES[int(example['id'][2:])]\n"
+    )
+    env = EnvConfig(id=str(path))
+    tasks = list(load_tasks(load_env(env), env).taskset)
+    trace = types.SimpleNamespace(last_reply="a reply")
+
+    def score(index: int) -> float:
+        return asyncio.run(tasks[index].file_reward(tasks[index].data, trace))
+
+    scores = [score(index) for index in range(7)]
+    assert scores == [1.0, 0.5, 0.25, 0.75, 2.0, 0.25, 1.0] and {type(s) for s in scores} == {float}
+    for index, shown in [(7, "1000000"), (8, "array([1.])"), (9, "nan"), (10, "tensor(inf)"), (11, "1j")]:
+        with pytest.raises(UserError) as error:
+            score(index)
+        message = str(error.value)
+        assert f"environment file {path}: reward(completion, example) returned " in message, message
+        assert shown in message and f"for example ex{index}" in message and "\n" not in message, message
+        assert len(message) < 300, message  # 10**400's 401 digits are not all shown
+
+
+def test_an_environment_file_in_a_mixture_needs_only_the_examples_its_share_of_a_step_takes(tmp_path):
+    # Seen: a file of 4 examples at a 10% share was refused because "one step takes 8".
+    from lib.config import UserError
+    from lib.orchestrator.tasks import check_env_ids
+
+    four = tmp_path / "four.py"
+    four.write_text(
+        "def examples():\n    return [{'prompt': str(i)} for i in range(4)]\n\n"
+        "def reward(completion, example):\n    return 1.0\n"
+    )
+    entry = json.dumps({"id": str(four), "ratio": 1})
+    check_env_ids(EnvConfig(id="reverse_text", ratio=9, mix=(entry,)), examples_per_step=8)  # 0.8 a step
+    check_env_ids(EnvConfig(id="reverse_text", ratio=1, mix=(entry,)), examples_per_step=8)  # 4 a step
+    with pytest.raises(
+        UserError, match=r"gave 4 examples, and its share of a step takes 5 \(50% of examples_per_step 10\)"
+    ):
+        check_env_ids(EnvConfig(id="reverse_text", ratio=1, mix=(entry,)), examples_per_step=10)
+    few = json.dumps({"id": str(four), "ratio": 1, "num_examples": 2})
+    with pytest.raises(UserError, match=r"env.num_examples takes 2, and its share of a step takes 3"):
+        check_env_ids(EnvConfig(id="reverse_text", ratio=2, mix=(few,)), examples_per_step=8)
+
+
+BROKEN_FILES = {  # an environment file's own bug, what the sentence that ends the run names, and where it is met
+    "imports.py": (
+        "import no_such_module_of_plainrl\n\ndef examples():\n    return []",
+        "failed to import: ModuleNotFoundError",
+        "checked",
+    ),
+    "at_once.py": (
+        "def examples():\n    return {}['rows']",
+        "its examples() raised KeyError: 'rows'",
+        "both",
+    ),
+    "later.py": (  # its first example is whole: the checks pass, reading on fails
+        "def examples():\n    for row in [{'prompt': 'a'}, {}]:\n        yield {'prompt': row['prompt'], 'answer': 'b'}",
+        "its examples() raised KeyError: 'prompt'",
+        "read",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", BROKEN_FILES)
+def test_an_environment_file_that_fails_to_import_or_give_examples_is_one_sentence_in_every_script(
+    tmp_path, name
+):
+    """What rl.py and eval.py check before their run directory (check_env_ids) and sft.py (check_data), then
+    what sft.py reads (load_conversations) and the episodes' tasks: each ends in one sentence naming the file."""
+    from lib.config import UserError
+    from lib.orchestrator.data import check_data, load_conversations
+    from lib.orchestrator.tasks import check_env_ids
+
+    code, error, where = BROKEN_FILES[name]
+    path = tmp_path / name
+    path.write_text(code + "\n\ndef reward(completion, example):\n    return 1.0\n")
+    env = EnvConfig(id=str(path))
+    checks = [lambda: check_env_ids(env), lambda: check_data(env)]
+    reads = [lambda: load_conversations(env), lambda: list(load_tasks(load_env(env), env).taskset)]
+    for step in {"checked": checks, "read": reads, "both": checks + reads}[where]:
+        with pytest.raises(UserError) as refused:
+            step()
+        message = str(refused.value)
+        assert message.startswith(f"environment file {path}") and error in message and "\n" not in message

@@ -5,6 +5,7 @@ import functools
 import importlib.util
 import itertools
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -39,7 +40,12 @@ def env_file(path: str):
         raise UserError(f"environment file {path} does not exist.")
     spec = importlib.util.spec_from_file_location(f"plainrl_env_{file.stem}", file)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except (
+        Exception
+    ) as error:  # the file's own bug (a module it imports is missing, say), told with its message
+        raise UserError(f"environment file {path} failed to import: {told(error)}") from None
     for name, arguments in (("examples", ()), ("reward", ("completion", "example"))):
         function = getattr(module, name, None)
         try:
@@ -50,6 +56,21 @@ def env_file(path: str):
                 f"(docs/environments.md), and its {name} is {'missing' if function is None else 'not that'}."
             ) from None
     return module
+
+
+def told(error: Exception) -> str:
+    """An exception as one line: its type, then its message."""
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"
+
+
+def file_examples(path: str):
+    """An environment file's examples() as it gives them; one it raises while giving them (its own bug) ends
+    the run in one sentence that names the file and the error."""
+    module = env_file(path)
+    try:
+        yield from module.examples()
+    except Exception as error:
+        raise UserError(f"environment file {path}: its examples() raised {told(error)}") from None
 
 
 def module_name(env_id: str) -> str:
@@ -169,9 +190,10 @@ def check_env_ids(env: EnvConfig, data: bool = False, examples_per_step: int = 1
     verifiers = importlib.util.find_spec("verifiers")
     # verifiers' own tasksets live in verifiers.v1.tasksets; looking there by path imports nothing.
     builtin = [Path(p) / "v1" / "tasksets" for p in verifiers.submodule_search_locations] if verifiers else []
-    for config in env_configs(env):
+    configs = env_configs(env)
+    for config in configs:
         if is_env_file(config.id):
-            check_examples(config, examples_per_step)
+            check_examples(config, examples_per_step, share=config.ratio / sum(c.ratio for c in configs))
             continue
         if data and (
             config.id.endswith(DATA_FILES) or "/" in config.id
@@ -189,22 +211,29 @@ def check_env_ids(env: EnvConfig, data: bool = False, examples_per_step: int = 1
         raise UserError(f"environment {config.id} is not an installed verifiers taskset{hint}.")
 
 
-def check_examples(env: EnvConfig, examples_per_step: int) -> None:
+def check_examples(env: EnvConfig, examples_per_step: int, share: float = 1.0) -> None:
     """A one-sentence UserError for an environment file whose examples() gives none, or fewer than one step takes
-    (a step's groups would play one example twice); reads no more than that many of them."""
+    from it (a step's groups would play one example twice): in a mixture, its `share` of a step's draws, rounded
+    up. Reads no more than that many of them."""
     file = f"environment file {env.id}"
-    count = sum(1 for _ in itertools.islice(env_file(env.id).examples(), examples_per_step))
+    takes = max(1, math.ceil(round(examples_per_step * share, 9)))
+    step = (
+        f"one step takes {takes} (examples_per_step)"
+        if share == 1
+        else f"its share of a step takes {takes} ({share:.0%} of examples_per_step {examples_per_step})"
+    )
+    count = sum(1 for _ in itertools.islice(file_examples(env.id), takes))
     if count == 0:
         raise UserError(f"{file}: its examples() gave no examples.")
-    if count < examples_per_step:
+    if count < takes:
         raise UserError(
-            f"{file}: its examples() gave {count} example{'s' * (count > 1)}, and one step takes "
-            f"{examples_per_step} (examples_per_step): give more examples or lower --examples-per-step."
+            f"{file}: its examples() gave {count} example{'s' * (count > 1)}, and {step}: give more "
+            "examples or lower --examples-per-step."
         )
-    if 0 < env.num_examples < examples_per_step:
+    if 0 < env.num_examples < takes:
         raise UserError(
-            f"{file}: env.num_examples takes {env.num_examples}, and one step takes {examples_per_step} "
-            "(examples_per_step): raise --env.num-examples or lower --examples-per-step."
+            f"{file}: env.num_examples takes {env.num_examples}, and {step}: raise --env.num-examples or lower "
+            "--examples-per-step."
         )
 
 

@@ -24,7 +24,9 @@ ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 # An integer as people write one: digits, commas only between groups of three ("1,024", never "1,2"), and a
 # decimal part that is all zeros ("12.0"). A number with any other decimal part is no integer at all.
 INTEGER = r"-?\d{1,3}(?:,\d{3})+(?:\.0+)?|-?\d+(?:\.0+)?"
-NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
+# A number as written in a reply, commas between digits included: "1,234" is one number, and "1,2" or "12,34"
+# is one that as_int refuses (no answer), never the "2" or "34" after its comma.
+NUMBER = re.compile(r"-?\d+(?:,\d+)*(?:\.\d+)?")
 # Draws in a row that give no new problem of the split before its generator takes the split as exhausted
 # (the test split gives each problem once). A given problem is one of max_operand**num_operands * 3**(n-1)
 # ways of writing: at max_operand 20 the last new one comes within ~10,000 draws.
@@ -46,19 +48,25 @@ def parse_answer(reply: str) -> int | None:
 
 
 def last_number(reply: str) -> int | None:
-    """The last integer the reply writes anywhere, or None."""
+    """The last number the reply writes anywhere, when it is an integer ("1,234" too); else None ("1,2")."""
     numbers = NUMBER.findall(reply)
     return as_int(numbers[-1]) if numbers else None
 
 
 def canonical(expression: str) -> str:
-    """One name for every way of writing the same problem: the operands of a sum (or of a product) in
-    order, so that "3 + 12" and "12 + 3" are one problem; anything with a minus sign as written."""
+    """One name for every way of writing the same problem, so that no two fall on opposite sides of the split:
+    a product's operands in order ("3 * 12" for "12 * 3"); a sum's and difference's signed operands as one
+    multiset, the added ones in order, then the subtracted ones ("2 + 3 - 1" for "3 - 1 + 2"), which names a
+    problem of two operands as before ("3 + 12", "12 - 3"); a product beside a sum or difference as written."""
     parts = expression.split(" ")
-    signs = set(parts[1::2])
-    if len(signs) == 1 and signs <= {"+", "*"}:
-        return f" {parts[1]} ".join(sorted(parts[::2], key=int))
-    return expression
+    operands, signs = parts[::2], parts[1::2]
+    if set(signs) == {"*"}:
+        return " * ".join(sorted(operands, key=int))
+    if "*" in signs:
+        return expression
+    added = [operands[0]] + [operand for sign, operand in zip(signs, operands[1:]) if sign == "+"]
+    subtracted = [operand for sign, operand in zip(signs, operands[1:]) if sign == "-"]
+    return " + ".join(sorted(added, key=int)) + "".join(f" - {n}" for n in sorted(subtracted, key=int))
 
 
 def in_split(expression: str, split: str) -> bool:
