@@ -175,8 +175,8 @@ class RunLog:
     bar; other ranks do nothing.
 
     Events and lines past `start_step` from an earlier, interrupted run are discarded so a resumed run's
-    curves do not overlap. Console lines (`line`'s, by default every value) are printed every `print_every`
-    steps; the bar is drawn only on a terminal, so a log file gets the lines alone.
+    curves do not overlap. Console lines (`line`'s, by default every value) are printed for the first step and
+    every `print_every` steps; the bar is drawn only on a terminal, so a log file gets the lines alone.
     """
 
     def __init__(
@@ -255,7 +255,8 @@ class RunLog:
             summary = "  ".join(f"{name} {fmt(value)}" for name, value in zip(names, values.values()))
         self.previous = values
         self.progress.update(self.task, completed=step, metrics=summary)
-        if step % self.print_every == 0:
+        # The first step always: with a large print_every a slow start would show nothing for minutes.
+        if step % self.print_every == 0 or step == self.start_step + 1:
             say(*wrap(f"step {step}/{self.total_steps}", summary.split("  ")))
 
     def evaluation(self, step: int, values: dict[str, float]) -> None:

@@ -97,6 +97,13 @@ def test_outputs_config_weights_checkpoints_and_tensorboard(tiny_dir, data_file,
         run(*flags(tiny_dir, data_file, out))
 
 
+def test_the_first_step_prints_its_line_whatever_log_every_says(tiny_dir, data_file, tmp_path, capsys):
+    # A slow first step on a busy machine printed nothing until step log_every: the first one always shows.
+    run(*flags(tiny_dir, data_file, tmp_path / "run", "--steps", "2", "--log-every", "100"))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(lines) == 1 and lines[0].startswith("step 1/2  loss "), lines
+
+
 def test_wandb_offline_logs_every_step_as_tensorboard_does_plus_curve_and_provenance(
     tiny_dir, data_file, tmp_path, monkeypatch
 ):
