@@ -5,6 +5,7 @@ import dataclasses
 import html
 import importlib.util
 import json
+import os
 import sys
 import time
 import uuid
@@ -43,6 +44,38 @@ class WandbConfig:
             raise UserError(
                 f"wandb.project needs the wandb package, which is not installed: {WANDB_INSTALL}."
             )
+        if self.project is not None and not self.offline and (missing := wandb_login_missing()):
+            raise UserError(
+                f"wandb.project needs a wandb login, and {missing}: run `wandb login` once (it keeps the key "
+                "in ~/.netrc), or add --wandb.offline (or set WANDB_MODE=offline) to log to the run directory "
+                "and `wandb sync` it later."
+            )
+
+
+def wandb_login_missing() -> str | None:
+    """Why wandb.init would stop for want of a login (None when it would not), found where wandb looks
+    (WANDB_MODE, WANDB_API_KEY, ~/.netrc, its settings files), offline and writing nothing. Asked when the
+    config is parsed: found only by wandb.init, the mistake ended the run after its servers started."""
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
+        return None
+    if (
+        importlib.util.find_spec("wandb.sdk.lib.wbauth") is None
+    ):  # a wandb older than the lock's: its init says
+        return None
+    from wandb.errors import AuthenticationError
+    from wandb.sdk import wandb_setup
+    from wandb.sdk.lib.wbauth import authenticate
+
+    settings = wandb_setup.singleton().settings  # the environment and wandb's settings files
+    if settings._offline or settings._noop:
+        return None
+    try:
+        found = authenticate.authenticate_session(
+            host=settings.base_url, source="plainrl", prompt=False, update_session=False
+        )
+    except AuthenticationError as error:  # a key in the wrong shape: wandb's own words say which
+        return f"the key found is not valid ({str(error).rstrip('.')})"
+    return None if found else f"none was found for {settings.base_url}"
 
 
 def start_wandb(cfg: WandbConfig, run_dir: Path, config: dict, resume: bool = False):

@@ -139,6 +139,30 @@ def test_asking_for_wandb_without_it_installed_fails_at_parse_time_in_one_senten
         assert "pip install wandb" in lines[0]
 
 
+def test_asking_for_wandb_without_a_login_fails_before_any_work_and_offline_mode_goes_on(tmp_path):
+    # No key anywhere wandb looks: HOME (~/.netrc, ~/.config/wandb) empty, no WANDB_* variable.
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "NETRC"} | {
+        "HOME": str(home)
+    }
+    for script in ("sft", "rl", "eval"):
+        args = [sys.executable, str(ROOT / "scripts" / f"{script}.py"), "--wandb.project", "p"]
+        result = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+        assert result.returncode == 2 and not (tmp_path / "outputs").exists(), result.stderr[-3000:]
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: wandb.project needs a wandb login"), lines
+        assert "`wandb login`" in lines[0] and "--wandb.offline" in lines[0], lines
+    assert list(home.iterdir()) == []  # the check wrote nothing either
+    # WANDB_MODE=offline needs no login: the run goes on, to the next mistake (a model that is not there).
+    model = tmp_path / "no-model"
+    args = [sys.executable, str(ROOT / "scripts/sft.py"), "--wandb.project", "p", "--model.name", str(model)]
+    result = subprocess.run(
+        args, capture_output=True, text=True, cwd=tmp_path, env=env | {"WANDB_MODE": "offline"}, timeout=120
+    )
+    assert result.returncode == 2 and result.stderr.startswith(f"error: model.name {model} "), result.stderr
+
+
 @pytest.mark.slow
 def test_resume_after_a_kill_gives_the_same_losses_and_weights(tiny_dir, data_file, tmp_path, monkeypatch):
     args = ("--steps", "6", "--checkpoint-every", "3")
