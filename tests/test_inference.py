@@ -1,12 +1,15 @@
 """lib/inference/launch.py and serve.py's start: engine choice, the default binding, a server that fails to start."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_script
+from conftest import ROOT, load_script
 
 from lib import endpoint
+from lib.config import parse
 from lib.inference import launch
 
 
@@ -23,6 +26,28 @@ def test_auto_engine_picks_vllm_only_with_vllm_and_cuda(monkeypatch):
         monkeypatch.setattr(importlib.util, "find_spec", lambda name, v=has_vllm: object() if v else None)
         monkeypatch.setattr(torch.cuda, "is_available", lambda c=has_cuda: c)
         assert serve.choose_engine("auto")[0] == expected
+
+
+def test_vllm_only_flags_on_the_builtin_engine_are_refused_by_name_before_any_model_loads(tiny_dir, tmp_path):
+    # `make serve ENGINE=torch DP=2 DP_LOCAL=1` served one builtin engine and said nothing of the flags it dropped.
+    parallel = ["--vllm.data-parallel-size", "2", "--vllm.data-parallel-size-local", "1", "--vllm.headless"]
+    parallel += ["--vllm.data-parallel-address", "10.0.0.1", "--vllm.data-parallel-start-rank", "1"]
+    serve = [sys.executable, str(ROOT / "scripts/serve.py"), "--model.name", str(tiny_dir), "--port", "8999"]
+    # auto on a machine without CUDA (this one: the builtin engine) is refused alike, saying why it chose it
+    for engine, why in [("torch", "--engine torch"), ("auto", "auto: ")]:
+        result = subprocess.run(
+            [*serve, "--engine", engine, *parallel], capture_output=True, text=True, cwd=tmp_path, timeout=60
+        )
+        lines = result.stderr.splitlines()
+        assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+        for flag in ["data-parallel-size", "data-parallel-size-local", "headless", "data-parallel-address"]:
+            assert f"--vllm.{flag} " in lines[0] or f"--vllm.{flag}," in lines[0], (flag, lines[0])
+        assert why in lines[0] and "--engine vllm" in lines[0], lines[0]
+    # What rl.py passes every server it starts, whatever the engine, still serves.
+    shared = ["--vllm.gpu-memory-utilization", "0.5", "--vllm.weight-transfer-backend", "plainrl_gloo"]
+    serve_script = load_script("serve")
+    config = parse(serve_script.Config, ["--model.name", "m", *shared, "--vllm.cpu-kv-cache-gib", "1"])
+    assert serve_script.vllm_only_flags(config.vllm) == []
 
 
 def listening_addresses(port: int) -> list[str]:
