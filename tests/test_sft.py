@@ -270,6 +270,28 @@ def test_two_cpu_processes_match_one(tiny_dir, data_file, tmp_path):
     assert all(torch.allclose(a[k], b[k], atol=1e-4) for k in a)
 
 
+def test_under_torchrun_a_mistake_s_sentence_ends_what_torchrun_prints(tmp_path):
+    # torchrun prints its own traceback (ChildFailedError) after the worker's stderr: the sentence, line 2 of
+    # ~35, drowned. The worker writes it to torchrun's error file, which torchrun shows last.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1"]
+    torchrun += ["--master-port", str(launch.free_port()), str(ROOT / "scripts/sft.py")]
+    model = tmp_path / "no-model"
+    for args, sentence in [
+        (
+            ["--steps", "0"],
+            "error: steps, batch_size and micro_batch_size must be >= 1",
+        ),  # found by the parse
+        (["--model.name", str(model)], f"error: model.name {model} is not a Hugging Face model directory"),
+    ]:
+        result = subprocess.run(
+            [*torchrun, *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=180
+        )
+        assert result.returncode != 0 and not (tmp_path / "outputs").exists()
+        last = result.stderr.strip().splitlines()[-3:]
+        assert any(sentence in line for line in last), result.stderr
+
+
 @pytest.mark.slow
 def test_bf16_autocast_on_cpu_trains_float32_master_weights_and_tracks_float32s_loss(
     tiny_dir, data_file, tmp_path
