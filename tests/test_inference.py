@@ -2,11 +2,14 @@
 
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
-from conftest import ROOT, load_script
+from conftest import ROOT, load_script, until_decoding
 
 from lib import endpoint
 from lib.config import parse
@@ -48,6 +51,40 @@ def test_vllm_only_flags_on_the_builtin_engine_are_refused_by_name_before_any_mo
     serve_script = load_script("serve")
     config = parse(serve_script.Config, ["--model.name", "m", *shared, "--vllm.cpu-kv-cache-gib", "1"])
     assert serve_script.vllm_only_flags(config.vllm) == []
+
+
+def test_sigterm_while_a_request_decodes_ends_the_server_promptly_without_a_traceback(tiny_dir, tmp_path):
+    # A kept server stopped while a finished run's last generate request still ran printed a 40-line
+    # CancelledError traceback (uvicorn cancels what is left after timeout_graceful_shutdown).
+    log = tmp_path / "serve.log"
+    server = launch.start_server(str(tiny_dir), engine="torch", log_path=log, threads=1)
+    body = {"token_ids": [5, 6], "sampling_params": {"max_tokens": 1900, "ignore_eos": True}}
+    answers = []
+
+    def long_request():
+        try:
+            url = endpoint.root_url(server.url) + "/inference/v1/generate"
+            answers.append(httpx.post(url, json=body, timeout=120).status_code)
+        except httpx.HTTPError as error:  # the connection closed: an answer as well
+            answers.append(type(error).__name__)
+
+    client = threading.Thread(target=long_request)
+    client.start()
+    try:
+        until_decoding(server.url)
+        stopped = time.monotonic()
+        server.process.terminate()
+        server.process.wait(timeout=60)
+        stop_seconds = time.monotonic() - stopped
+    finally:
+        server.stop()
+        client.join(timeout=60)
+    text = log.read_text()
+    assert "Traceback" not in text and "CancelledError" not in text, text[-3000:]
+    assert stop_seconds < 30, stop_seconds  # its 3 s of grace, and the rest
+    assert answers and answers[0] != 200, answers  # the client sees an error, not silence or a success
+    after_serving = text.split("serving ", 1)[1].splitlines()[1:]
+    assert len(after_serving) <= 1, after_serving  # one line at most says what happened
 
 
 def listening_addresses(port: int) -> list[str]:
