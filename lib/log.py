@@ -317,15 +317,20 @@ class RunLog:
 
                 self.wandb.log({tag: wandb.Html(f"<pre>{html.escape(text)}</pre>"), STEP_METRIC: step})
 
-    def sample(self, step: int, prompt: str, completion: str, reward: float) -> None:
-        """A completion and its reward as tensorboard text, and on the console under its prompt's last user
-        message (`prompt` tags each message with its role, as the rollout records do), both shortened."""
+    def sample(self, step: int, messages: list[dict], reward: float) -> None:
+        """An episode and its reward: every turn as tensorboard text; on the console its last turn (a multi-turn
+        episode's says which), the user's message and the reply, both shortened."""
         if self.enabled:
-            self.text(step, "samples", f"reward {reward:.3f}\n\n```\n{completion}\n```")
+            episode = "\n".join(f"[{m['role']}] {m['content']}" for m in messages)
+            self.text(step, "samples", f"reward {reward:.3f}\n\n```\n{episode}\n```")
+            replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"] or [len(messages)]
+            asked = [m["content"] for m in messages[: replies[-1]] if m["role"] == "user"] or [""]
+            reply = messages[replies[-1]]["content"] if replies[-1] < len(messages) else ""
+            turn = f" (turn {len(replies)} of {len(replies)})" if len(replies) > 1 else ""
             say(
-                f"sample at step {step}, reward {reward:.3f}",
-                f"  user: {shorten(prompt.rpartition('[user] ')[2], 120)}",
-                f"  completion: {shorten(completion, 400)}",
+                f"sample at step {step}, reward {reward:.3f}{turn}",
+                f"  user: {shorten(asked[-1] or '', 120)}",
+                f"  completion: {shorten(reply or '', 400)}",
             )
 
     def summary(self, history: list[dict], key: str, weights: Path, curve: Path, points=None) -> None:
