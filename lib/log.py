@@ -58,9 +58,8 @@ def wandb_login_missing() -> str | None:
     config is parsed: found only by wandb.init, the mistake ended the run after its servers started."""
     if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
         return None
-    if (
-        importlib.util.find_spec("wandb.sdk.lib.wbauth") is None
-    ):  # a wandb older than the lock's: its init says
+    # A wandb older than the lock's keeps its login elsewhere: its init says.
+    if importlib.util.find_spec("wandb.sdk.lib.wbauth") is None:
         return None
     from wandb.errors import AuthenticationError
     from wandb.sdk import wandb_setup
@@ -321,15 +320,16 @@ class RunLog:
         """An episode and its reward: every turn as tensorboard text; on the console its last turn (a multi-turn
         episode's says which), the user's message and the reply, both shortened."""
         if self.enabled:
-            episode = "\n".join(f"[{m['role']}] {m['content']}" for m in messages)
+            episode = "\n".join(f"[{m['role']}] {m['content'] or ''}" for m in messages)
             self.text(step, "samples", f"reward {reward:.3f}\n\n```\n{episode}\n```")
-            replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"] or [len(messages)]
-            asked = [m["content"] for m in messages[: replies[-1]] if m["role"] == "user"] or [""]
-            reply = messages[replies[-1]]["content"] if replies[-1] < len(messages) else ""
+            replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+            last = replies[-1] if replies else len(messages)
+            asked = next((m["content"] for m in reversed(messages[:last]) if m["role"] == "user"), "")
+            reply = messages[last]["content"] if replies else ""
             turn = f" (turn {len(replies)} of {len(replies)})" if len(replies) > 1 else ""
             say(
                 f"sample at step {step}, reward {reward:.3f}{turn}",
-                f"  user: {shorten(asked[-1] or '', 120)}",
+                f"  user: {shorten(asked or '', 120)}",
                 f"  completion: {shorten(reply or '', 400)}",
             )
 
