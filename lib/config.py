@@ -17,6 +17,7 @@ import re
 import signal
 import sys
 import threading
+import time
 import tomllib
 import types
 import typing
@@ -49,8 +50,14 @@ def given_api_key(given: str | None) -> str | None:
 
 
 def fail(message: str) -> typing.NoReturn:
-    """Ends the program for a user mistake: one sentence, exit code 2."""
+    """Ends the program for a user mistake: one sentence, exit code 2. Under torchrun the sentence goes to
+    the worker's error file as well: torchrun ends its own traceback with it, where it stays in sight."""
     print(f"error: {message}", file=sys.stderr)
+    if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        # The layout torch's @record writes (torch/distributed/elastic/multiprocessing/errors): torchrun
+        # prints py_callstack as the failure's "traceback".
+        info = {"py_callstack": f"error: {message}", "timestamp": str(int(time.time()))}
+        Path(error_file).write_text(json.dumps({"message": {"message": message, "extraInfo": info}}))
     raise SystemExit(2)
 
 

@@ -5,6 +5,7 @@ import dataclasses
 import html
 import importlib.util
 import json
+import os
 import sys
 import time
 import uuid
@@ -43,6 +44,37 @@ class WandbConfig:
             raise UserError(
                 f"wandb.project needs the wandb package, which is not installed: {WANDB_INSTALL}."
             )
+        if self.project is not None and not self.offline and (missing := wandb_login_missing()):
+            raise UserError(
+                f"wandb.project needs a wandb login, and {missing}: run `wandb login` once (it keeps the key "
+                "in ~/.netrc), or add --wandb.offline (or set WANDB_MODE=offline) to log to the run directory "
+                "and `wandb sync` it later."
+            )
+
+
+def wandb_login_missing() -> str | None:
+    """Why wandb.init would stop for want of a login (None when it would not), found where wandb looks
+    (WANDB_MODE, WANDB_API_KEY, ~/.netrc, its settings files), offline and writing nothing. Asked when the
+    config is parsed: found only by wandb.init, the mistake ended the run after its servers started."""
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
+        return None
+    # A wandb older than the lock's keeps its login elsewhere: its init says.
+    if importlib.util.find_spec("wandb.sdk.lib.wbauth") is None:
+        return None
+    from wandb.errors import AuthenticationError
+    from wandb.sdk import wandb_setup
+    from wandb.sdk.lib.wbauth import authenticate
+
+    settings = wandb_setup.singleton().settings  # the environment and wandb's settings files
+    if settings._offline or settings._noop:
+        return None
+    try:
+        found = authenticate.authenticate_session(
+            host=settings.base_url, source="plainrl", prompt=False, update_session=False
+        )
+    except AuthenticationError as error:  # a key in the wrong shape: wandb's own words say which
+        return f"the key found is not valid ({str(error).rstrip('.')})"
+    return None if found else f"none was found for {settings.base_url}"
 
 
 def start_wandb(cfg: WandbConfig, run_dir: Path, config: dict, resume: bool = False):
@@ -175,8 +207,8 @@ class RunLog:
     bar; other ranks do nothing.
 
     Events and lines past `start_step` from an earlier, interrupted run are discarded so a resumed run's
-    curves do not overlap. Console lines (`line`'s, by default every value) are printed every `print_every`
-    steps; the bar is drawn only on a terminal, so a log file gets the lines alone.
+    curves do not overlap. Console lines (`line`'s, by default every value) are printed for the first step and
+    every `print_every` steps; the bar is drawn only on a terminal, so a log file gets the lines alone.
     """
 
     def __init__(
@@ -255,7 +287,8 @@ class RunLog:
             summary = "  ".join(f"{name} {fmt(value)}" for name, value in zip(names, values.values()))
         self.previous = values
         self.progress.update(self.task, completed=step, metrics=summary)
-        if step % self.print_every == 0:
+        # The first step always: with a large print_every a slow start would show nothing for minutes.
+        if step % self.print_every == 0 or step == self.start_step + 1:
             say(*wrap(f"step {step}/{self.total_steps}", summary.split("  ")))
 
     def evaluation(self, step: int, values: dict[str, float]) -> None:
@@ -283,15 +316,21 @@ class RunLog:
 
                 self.wandb.log({tag: wandb.Html(f"<pre>{html.escape(text)}</pre>"), STEP_METRIC: step})
 
-    def sample(self, step: int, prompt: str, completion: str, reward: float) -> None:
-        """A completion and its reward as tensorboard text, and on the console under its prompt's last user
-        message (`prompt` tags each message with its role, as the rollout records do), both shortened."""
+    def sample(self, step: int, messages: list[dict], reward: float) -> None:
+        """An episode and its reward: every turn as tensorboard text; on the console its last turn (a multi-turn
+        episode's says which), the user's message and the reply, both shortened."""
         if self.enabled:
-            self.text(step, "samples", f"reward {reward:.3f}\n\n```\n{completion}\n```")
+            episode = "\n".join(f"[{m['role']}] {m['content'] or ''}" for m in messages)
+            self.text(step, "samples", f"reward {reward:.3f}\n\n```\n{episode}\n```")
+            replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+            last = replies[-1] if replies else len(messages)
+            asked = next((m["content"] for m in reversed(messages[:last]) if m["role"] == "user"), "")
+            reply = messages[last]["content"] if replies else ""
+            turn = f" (turn {len(replies)} of {len(replies)})" if len(replies) > 1 else ""
             say(
-                f"sample at step {step}, reward {reward:.3f}",
-                f"  user: {shorten(prompt.rpartition('[user] ')[2], 120)}",
-                f"  completion: {shorten(completion, 400)}",
+                f"sample at step {step}, reward {reward:.3f}{turn}",
+                f"  user: {shorten(asked or '', 120)}",
+                f"  completion: {shorten(reply or '', 400)}",
             )
 
     def summary(self, history: list[dict], key: str, weights: Path, curve: Path, points=None) -> None:

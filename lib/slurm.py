@@ -58,6 +58,11 @@ class SlurmConfig:
             raise UserError("slurm.trainer_nodes must be >= 1, slurm.inference_nodes and gpus_per_node >= 0.")
         if self.tensor_parallel_size < 1 or self.gpus_per_node % self.tensor_parallel_size:
             raise UserError("slurm.gpus_per_node must be a multiple of slurm.tensor_parallel_size.")
+        if self.engine == "torch" and self.tensor_parallel_size > 1:  # serve.py would refuse it on every node
+            raise UserError(
+                f"slurm.tensor_parallel_size {self.tensor_parallel_size} needs slurm.engine vllm: the builtin "
+                "engine serves a model on one device."
+            )
         if self.server_timeout < 1:
             raise UserError("slurm.server_timeout must be a positive number of seconds.")
 

@@ -366,7 +366,7 @@ def report(cfg: Config, log, step_number: int, batch, metrics: dict, history: li
         )
     if step_number % cfg.sample_every == 0 or step_number == cfg.steps:
         sample = max(batch.groups[0], key=lambda r: r.reward)
-        log.sample(step_number, sample.prompt, sample.completion, sample.reward)
+        log.sample(step_number, sample.messages, sample.reward)
     write_records(cfg.output_dir / rundir.ROLLOUTS / f"step_{step_number}.jsonl", batch.groups)
     return flat
 

@@ -99,6 +99,22 @@ def choose_engine(requested: str) -> tuple[str, str]:
     return "vllm", "auto: vLLM is installed and CUDA is visible"
 
 
+# The --vllm.* settings that shape what vLLM serves (replicas, GPUs each, the nodes), which the builtin engine has
+# nothing for: it would serve one engine without a word. The memory and weight-transfer ones are not here: rl.py
+# passes them to either engine, and the builtin engine sizes its KV cache and takes weights in memory by itself.
+VLLM_ONLY = [
+    "tensor_parallel_size", "data_parallel_size", "data_parallel_size_local", "data_parallel_address",
+    "data_parallel_rpc_port", "data_parallel_start_rank", "headless", "extra_args",
+]  # fmt: skip
+
+
+def vllm_only_flags(vllm: VllmConfig) -> list[str]:
+    """The flags of VLLM_ONLY given a value other than their default."""
+    default = VllmConfig()
+    changed = [name for name in VLLM_ONLY if getattr(vllm, name) != getattr(default, name)]
+    return [f"--vllm.{name.replace('_', '-')}" for name in changed]
+
+
 def serving_dtype(model: ModelConfig) -> str:
     """model.dtype, with auto resolved as the trainer resolves it (lib/models/load.py runs_in_dtype)."""
     from transformers import AutoConfig
@@ -138,9 +154,14 @@ def main(cfg: Config) -> None:
     check_model_name(cfg.model.name)
     api_key = given_api_key(cfg.api_key)
     served_model_name = cfg.served_model_name or cfg.model.name
+    engine, reason = choose_engine(cfg.engine)
+    if engine == "torch" and (ignored := vllm_only_flags(cfg.vllm)):
+        raise UserError(
+            f"{', '.join(ignored)} apply to vLLM only, and the builtin engine would serve here ({reason}) "
+            "without them: serve with --engine vllm where vLLM and a GPU are, or leave them out."
+        )
     for warning in key_warnings(cfg.host, cfg.port, api_key):
         log.warning(warning)
-    engine, reason = choose_engine(cfg.engine)
     log.info("engine: %s (%s)", engine, reason)
     # One rule for both engines and the trainer (lib/models/load.py runs_in_dtype): vLLM's own auto would pick
     # for itself, and the two must compare in one dtype.

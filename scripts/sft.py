@@ -77,7 +77,7 @@ class Config:
     """Continue from the newest complete checkpoint in output_dir (step 0 if there is none yet), with the
     run's own config: `@` presets are ignored, flags change it (recorded in resumes.jsonl)."""
     log_every: int = 10
-    """Print a console line every N steps (tensorboard gets every step)."""
+    """Print a console line for the first step and every N steps (tensorboard gets every step)."""
     seed: int = 0
     """Seed of initialisation-time randomness (LoRA) and of the data order."""
     peer_timeout: float = 120.0

@@ -1,12 +1,18 @@
 """lib/inference/launch.py and serve.py's start: engine choice, the default binding, a server that fails to start."""
 
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
-from conftest import load_script
+from conftest import ROOT, load_script, until_decoding
 
 from lib import endpoint
+from lib.config import parse
 from lib.inference import launch
 
 
@@ -23,6 +29,64 @@ def test_auto_engine_picks_vllm_only_with_vllm_and_cuda(monkeypatch):
         monkeypatch.setattr(importlib.util, "find_spec", lambda name, v=has_vllm: object() if v else None)
         monkeypatch.setattr(torch.cuda, "is_available", lambda c=has_cuda: c)
         assert serve.choose_engine("auto")[0] == expected
+
+
+def test_vllm_only_flags_on_the_builtin_engine_are_refused_by_name_before_any_model_loads(tiny_dir, tmp_path):
+    # `make serve ENGINE=torch DP=2 DP_LOCAL=1` served one builtin engine and said nothing of the flags it dropped.
+    parallel = ["--vllm.data-parallel-size", "2", "--vllm.data-parallel-size-local", "1", "--vllm.headless"]
+    parallel += ["--vllm.data-parallel-address", "10.0.0.1", "--vllm.data-parallel-start-rank", "1"]
+    serve = [sys.executable, str(ROOT / "scripts/serve.py"), "--model.name", str(tiny_dir), "--port", "8999"]
+    # auto on a machine without CUDA (this one: the builtin engine) is refused alike, saying why it chose it
+    for engine, why in [("torch", "--engine torch"), ("auto", "auto: ")]:
+        result = subprocess.run(
+            [*serve, "--engine", engine, *parallel], capture_output=True, text=True, cwd=tmp_path, timeout=60
+        )
+        lines = result.stderr.splitlines()
+        assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+        for flag in ["data-parallel-size", "data-parallel-size-local", "headless", "data-parallel-address"]:
+            assert f"--vllm.{flag} " in lines[0] or f"--vllm.{flag}," in lines[0], (flag, lines[0])
+        assert why in lines[0] and "--engine vllm" in lines[0], lines[0]
+    # What rl.py passes every server it starts, whatever the engine, still serves.
+    shared = ["--vllm.gpu-memory-utilization", "0.5", "--vllm.weight-transfer-backend", "plainrl_gloo"]
+    serve_script = load_script("serve")
+    config = parse(serve_script.Config, ["--model.name", "m", *shared, "--vllm.cpu-kv-cache-gib", "1"])
+    assert serve_script.vllm_only_flags(config.vllm) == []
+
+
+def test_sigterm_while_a_request_decodes_ends_the_server_promptly_without_a_traceback(tiny_dir, tmp_path):
+    # A kept server stopped while a finished run's last generate request still ran printed a 40-line
+    # CancelledError traceback (uvicorn cancels what is left after timeout_graceful_shutdown).
+    log = tmp_path / "serve.log"
+    server = launch.start_server(str(tiny_dir), engine="torch", log_path=log, threads=1)
+    body = {"token_ids": [5, 6], "sampling_params": {"max_tokens": 1900, "ignore_eos": True}}
+    answers = []
+
+    def long_request():
+        try:
+            url = endpoint.root_url(server.url) + "/inference/v1/generate"
+            answers.append(httpx.post(url, json=body, timeout=120).status_code)
+        except httpx.HTTPError as error:  # the connection closed: an answer as well
+            answers.append(type(error).__name__)
+
+    client = threading.Thread(target=long_request)
+    client.start()
+    try:
+        until_decoding(server.url)
+        # Held where it is (a pause that keeps it), it cannot finish within the shutdown's grace on a fast machine.
+        assert httpx.post(endpoint.root_url(server.url) + "/pause?mode=keep", timeout=60).status_code == 200
+        stopped = time.monotonic()
+        server.process.terminate()
+        server.process.wait(timeout=60)
+        stop_seconds = time.monotonic() - stopped
+    finally:
+        server.stop()
+        client.join(timeout=60)
+    text = log.read_text()
+    assert "Traceback" not in text and "CancelledError" not in text, text[-3000:]
+    assert stop_seconds < 30, stop_seconds  # its 3 s of grace, and the rest
+    assert answers and answers[0] != 200, answers  # the client sees an error, not silence or a success
+    after_serving = text.split("serving ", 1)[1].splitlines()[1:]
+    assert len(after_serving) <= 1, after_serving  # one line at most says what happened
 
 
 def listening_addresses(port: int) -> list[str]:

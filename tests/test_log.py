@@ -81,16 +81,24 @@ def test_a_step_line_counts_the_evaluation_its_step_waited_for(tmp_path, capsys)
     assert "eval" not in lines[0] and "sync 0.0, eval 8.5  " in lines[1]
 
 
-def test_a_sample_shows_the_last_user_message_shortened_the_completion_and_its_reward(tmp_path, capsys):
+def test_a_sample_shows_the_last_turn_shortened_and_its_reward(tmp_path, capsys):
     log = RunLog(tmp_path, total_steps=5, start_step=0, enabled=True, print_every=1)
-    prompt = "[system] Reverse the text.\n[user] first\n[assistant] tsrif\n[user] " + "lorem ipsum " * 40
-    log.sample(5, prompt=prompt, completion="muspi merol", reward=0.875)
+    messages = [
+        {"role": "system", "content": "Reverse the text."},
+        {"role": "user", "content": "first"},
+        {"role": "assistant", "content": "tsrif"},
+        {"role": "user", "content": "lorem ipsum " * 40},
+        {"role": "assistant", "content": "muspi merol"},
+    ]
+    log.sample(5, messages=messages, reward=0.875)
+    log.sample(5, messages=messages[:3], reward=1.0)  # one turn: no turn count
     log.close()
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "sample at step 5, reward 0.875"
+    assert lines[0] == "sample at step 5, reward 0.875 (turn 2 of 2)"
     assert lines[1].startswith("  user: lorem ipsum lorem") and lines[1].endswith("…")
     assert len(lines[1]) <= 130  # the last user message alone, shortened
     assert lines[2] == "  completion: muspi merol"
+    assert lines[3:] == ["sample at step 5, reward 1.000", "  user: first", "  completion: tsrif"]
 
 
 def test_console_lines_stay_within_100_columns_and_numbers_read_as_rl_py_writes_them(

@@ -572,10 +572,21 @@ def test_three_turn_alphabet_sort_runs_end_to_end_and_warns_when_flat(tiny_dir, 
     assert metrics["rollouts/errors"] == 0
     # The untrained model never writes the answer tags: every group is flat, and the run says so.
     assert metrics["rollouts/flat_groups"] == 2
-    assert "no learning signal" in capsys.readouterr().out
+    output = capsys.readouterr().out
+    assert "no learning signal" in output
     # A turn cut at max_tokens (no end token) makes the next turn's render fork the token graph: such an
     # episode yields one training sample per branch, so there are at least as many records as episodes.
-    assert len((tmp_path / "run" / "rollouts" / "step_1.jsonl").read_text().splitlines()) >= 4
+    lines = (tmp_path / "run" / "rollouts" / "step_1.jsonl").read_text().splitlines()
+    assert len(lines) >= 4
+    # Each record holds its whole episode, as eval.py's results do: every turn's messages, whichever branch
+    # (a branch cut at turn 1 held the first user message and one completion only), and its tokens.
+    for record in map(json.loads, lines):
+        roles = [message["role"] for message in record["messages"]]
+        assert roles.count("user") == roles.count("assistant") == record["num_turns"] == 3, record
+        assert roles[-1] == "assistant" and len(record["finish_reasons"]) == 3, record
+        assert 0 < record["num_sampled_tokens"] < record["num_tokens"], record
+    # The console's sample is the episode's last turn.
+    assert "(turn 3 of 3)" in output and "Now sort ALL of these names" in output, output
 
 
 # The loss's sequence-level options: GSPO's ratio, per-rollout means, a sequence mismatch mask, overlong

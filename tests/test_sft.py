@@ -97,6 +97,13 @@ def test_outputs_config_weights_checkpoints_and_tensorboard(tiny_dir, data_file,
         run(*flags(tiny_dir, data_file, out))
 
 
+def test_the_first_step_prints_its_line_whatever_log_every_says(tiny_dir, data_file, tmp_path, capsys):
+    # A slow first step on a busy machine printed nothing until step log_every: the first one always shows.
+    run(*flags(tiny_dir, data_file, tmp_path / "run", "--steps", "2", "--log-every", "100"))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(lines) == 1 and lines[0].startswith("step 1/2  loss "), lines
+
+
 def test_wandb_offline_logs_every_step_as_tensorboard_does_plus_curve_and_provenance(
     tiny_dir, data_file, tmp_path, monkeypatch
 ):
@@ -130,6 +137,30 @@ def test_asking_for_wandb_without_it_installed_fails_at_parse_time_in_one_senten
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: wandb.project needs the wandb package"), lines
         assert "pip install wandb" in lines[0]
+
+
+def test_asking_for_wandb_without_a_login_fails_before_any_work_and_offline_mode_goes_on(tmp_path):
+    # No key anywhere wandb looks: HOME (~/.netrc, ~/.config/wandb) empty, no WANDB_* variable.
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "NETRC"} | {
+        "HOME": str(home)
+    }
+    for script in ("sft", "rl", "eval"):
+        args = [sys.executable, str(ROOT / "scripts" / f"{script}.py"), "--wandb.project", "p"]
+        result = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+        assert result.returncode == 2 and not (tmp_path / "outputs").exists(), result.stderr[-3000:]
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: wandb.project needs a wandb login"), lines
+        assert "`wandb login`" in lines[0] and "--wandb.offline" in lines[0], lines
+    assert list(home.iterdir()) == []  # the check wrote nothing either
+    # WANDB_MODE=offline needs no login: the run goes on, to the next mistake (a model that is not there).
+    model = tmp_path / "no-model"
+    args = [sys.executable, str(ROOT / "scripts/sft.py"), "--wandb.project", "p", "--model.name", str(model)]
+    result = subprocess.run(
+        args, capture_output=True, text=True, cwd=tmp_path, env=env | {"WANDB_MODE": "offline"}, timeout=120
+    )
+    assert result.returncode == 2 and result.stderr.startswith(f"error: model.name {model} "), result.stderr
 
 
 @pytest.mark.slow
@@ -237,6 +268,28 @@ def test_two_cpu_processes_match_one(tiny_dir, data_file, tmp_path):
     assert two_losses == pytest.approx(losses(one["history"]), rel=1e-5)
     a, b = weights(tmp_path / "one/weights/step_3"), weights(tmp_path / "two/weights/step_3")
     assert all(torch.allclose(a[k], b[k], atol=1e-4) for k in a)
+
+
+def test_under_torchrun_a_mistake_s_sentence_ends_what_torchrun_prints(tmp_path):
+    # torchrun prints its own traceback (ChildFailedError) after the worker's stderr: the sentence, line 2 of
+    # ~35, drowned. The worker writes it to torchrun's error file, which torchrun shows last.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1"]
+    torchrun += ["--master-port", str(launch.free_port()), str(ROOT / "scripts/sft.py")]
+    model = tmp_path / "no-model"
+    for args, sentence in [
+        (
+            ["--steps", "0"],
+            "error: steps, batch_size and micro_batch_size must be >= 1",
+        ),  # found by the parse
+        (["--model.name", str(model)], f"error: model.name {model} is not a Hugging Face model directory"),
+    ]:
+        result = subprocess.run(
+            [*torchrun, *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=180
+        )
+        assert result.returncode != 0 and not (tmp_path / "outputs").exists()
+        last = result.stderr.strip().splitlines()[-3:]
+        assert any(sentence in line for line in last), result.stderr
 
 
 @pytest.mark.slow

@@ -136,6 +136,14 @@ def test_refuses_a_key_in_the_config_and_inference_nodes_for_sft(tmp_path, capsy
         render("rl", ["--inference.urls", "http://h:8000/v1"], tmp_path)
 
 
+def test_refuses_tensor_parallel_servers_on_the_builtin_engine(tmp_path, capsys):
+    # Each node's serve.py would refuse the flag (the builtin engine has no tensor parallelism) after sbatch.
+    with pytest.raises(SystemExit) as exit_:
+        render("rl", ["--slurm.engine", "torch", "--slurm.tensor-parallel-size", "2"], tmp_path)
+    assert exit_.value.code == 2
+    assert "slurm.tensor_parallel_size 2 needs slurm.engine vllm" in capsys.readouterr().err
+
+
 def test_refuses_a_secret_passed_to_the_servers_by_name(tmp_path):
     base = ["@", str(ROOT / "configs/tiny/rl.toml"), "--output-dir", "r"]
     named = ["api-key=k", "api_key=k", "API-KEY=k", "vllm.hf-token=t", "db.password=p"]

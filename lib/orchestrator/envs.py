@@ -257,6 +257,7 @@ def training_samples(
     for trace in episode.traces:
         if not trace.agent.trainable:
             continue
+        whole = conversation(trace.messages)  # its final branch: every turn, whichever branch trains
         finish_reasons = [call.finish_reason or "" for call in trace.calls if call.error is None]
         truncated = "length" in finish_reasons or trace.stop_condition in TOKEN_LIMIT_STOPS
         for branch in trace.branches:
@@ -284,12 +285,24 @@ def training_samples(
                     task_id=task_id,
                     prompt="\n".join(f"[{m.role}] {m.content}" for m in messages[:first]),
                     episode=episode_index,
+                    messages=whole,
                     finish_reasons=finish_reasons,
                     truncated=truncated,
                     **kept_sets(branch),
                 )
             )
     return rollouts, None
+
+
+def conversation(messages) -> list[dict]:
+    """verifiers' messages as rollout records hold them: role and content, and the tool calls a reply made."""
+    plain = []
+    for m in messages:
+        message = {"role": m.role, "content": m.content}
+        if calls := getattr(m, "tool_calls", None):
+            message["tool_calls"] = [{"name": c.name, "arguments": c.arguments} for c in calls]
+        plain.append(message)
+    return plain
 
 
 def kept_sets(branch) -> dict:

@@ -38,6 +38,9 @@ class Rollout:
     """Id of the task (example) the episode played, for rollout records."""
     prompt: str = ""
     """The prompt as text (roles tagged), for rollout records."""
+    messages: list[dict] = dataclasses.field(default_factory=list, compare=False, repr=False)
+    """The whole episode, every turn's messages (role, content, tool calls), whichever branch this is: for
+    rollout records and the console's sample; the episode's branches share it."""
     advantage: float = 0.0
     """Set by the buffer: the episode's reward minus the group's mean episode reward (divided by the
     group std when normalised)."""
@@ -289,11 +292,16 @@ class Buffer:
 
 
 def write_records(path: Path, groups: list[list[Rollout]]) -> None:
-    """One JSON line per rollout of the step: environment, task id, prompt, completion, reward, advantage,
-    policy version, and why each of its turns ended."""
+    """One JSON line per rollout of the step: environment, task id, its episode's number in the group, the
+    branch's prompt and completion as text, the whole episode's messages (every turn, as eval.py's records
+    hold them) and turns, reward, advantage, policy version, why each turn ended, and the rollout's tokens
+    (all, and those sampled: its loss tokens)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fields = "env task_id prompt completion reward advantage policy_version finish_reasons".split()
+    fields = "env task_id episode prompt completion messages reward advantage policy_version finish_reasons"
     with path.open("w") as out:
         for group in groups:
             for r in group:
-                out.write(json.dumps({name: getattr(r, name) for name in fields}) + "\n")
+                record = {name: getattr(r, name) for name in fields.split()}
+                record["num_turns"] = sum(m["role"] == "assistant" for m in r.messages)
+                record["num_tokens"], record["num_sampled_tokens"] = len(r.token_ids), sum(r.loss_mask)
+                out.write(json.dumps(record) + "\n")

@@ -58,6 +58,29 @@ class RequireKey:
         await self.app(scope, receive, send)
 
 
+class QuietShutdown:
+    """A request still running when the server stops (uvicorn cancels what is left after its graceful
+    shutdown, serve.py's 3 s) answers 503 and ends quietly: uvicorn logged the cancellation as a 40-line
+    traceback. A plain ASGI middleware, as RequireKey."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        started = False
+
+        async def sending(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except asyncio.CancelledError:
+            if scope["type"] == "http" and not started:  # a stream cut in the middle just ends
+                await error(503, "the server is shutting down.")(scope, receive, send)
+
+
 def build_app(
     engine: Engine,
     served_model_name: str,
@@ -76,6 +99,7 @@ def build_app(
     adapters: dict[str, str] = {}  # loaded LoRA adapters: name -> directory
     if api_key:
         app.add_middleware(RequireKey, expected=f"Bearer {api_key}".encode())
+    app.add_middleware(QuietShutdown)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request, exc: RequestValidationError):
