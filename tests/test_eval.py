@@ -474,3 +474,62 @@ def test_eval_of_an_environment_file_whose_reward_is_text_ends_in_one_sentence(e
             ValueError, match=rf"{path}: reward\(completion, example\) returned '1.0' for example first"
         ):
             eval_script.main(dataclasses.replace(config, output_dir=tmp_path / "out"))
+
+
+@pytest.mark.slow
+def test_eval_asks_an_attached_server_the_name_it_answers_to(
+    eval_script, tiny_dir, tmp_path, capsys, monkeypatch
+):
+    """A server answers to the name it was started with: -m spelled otherwise (./DIR), or another checkpoint
+    that --reload-weights loads into it, is sent under the server's name, not -m's (seen: a 404 on every episode)."""
+    import shutil
+
+    from lib.inference.launch import running_server
+
+    monkeypatch.chdir(tmp_path)
+    started, trained = tmp_path / "sft" / "step_60", changed_copy(tiny_dir, tmp_path / "rl" / "step_8")
+    shutil.copytree(tiny_dir, started)
+    with running_server(str(started), engine="torch", weights_root=tmp_path, log_path=tmp_path / "log") as server:
+        respelled = "./sft/step_60"
+        argv = f"reverse_text -m {respelled} -b {server.url} -n 1 -r 2 --max-tokens 4".split()
+        summary, _, _ = evaluate(eval_script, [*argv, "--env-args", SYNTHETIC], tmp_path / "respelled", capsys)
+        assert summary["num_errors"] == 0 and summary["model"] == respelled
+
+        argv = f"reverse_text -m {trained} -b {server.url} -n 1 -r 2 --max-tokens 4 --reload-weights".split()
+        summary, _, _ = evaluate(eval_script, [*argv, "--env-args", SYNTHETIC], tmp_path / "reloaded", capsys)
+    assert summary["num_errors"] == 0 and summary["served_weights"].endswith("(loaded by --reload-weights)")
+
+
+@pytest.mark.slow
+def test_eval_of_a_name_the_server_does_not_serve_stops_before_any_episode(
+    eval_script, tiny_dir, tmp_path, capsys
+):
+    from lib.inference.launch import running_server
+
+    with running_server(str(tiny_dir), engine="torch", log_path=tmp_path / "server.log") as server:
+        argv = f"reverse_text -m Qwen/Qwen3-0.6B -b {server.url} -n 1 -r 1 --env-args".split() + [SYNTHETIC]
+        config = parse(eval_script.Config, [*argv, "--output-dir", str(tmp_path / "out")])
+        with pytest.raises(SystemExit) as exit_info:
+            run_main(eval_script.main, config)
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    root = server.url.removesuffix("/v1")
+    assert err.strip().splitlines()[-1] == (
+        f"error: the inference server {root} answers to {tiny_dir}, not Qwen/Qwen3-0.6B (-m): give -m that "
+        "name, or the local directory it serves."
+    ), err
+    assert "run dir" not in out and not (tmp_path / "out").exists()
+
+
+def test_eval_whose_own_server_fails_to_start_leaves_no_run_directory(eval_script, tiny_dir, tmp_path, capsys):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")  # a directory that looks like a model but is none
+    argv = ["reverse_text", "-m", str(broken), "--engine", "torch", "-n", "1", "--env-args", SYNTHETIC]
+    config = parse(eval_script.Config, [*argv, "--output-dir", str(tmp_path / "out"), "--name", "run"])
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(eval_script.main, config)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: the inference server exited with code" in err and "end of its log" in err, err
+    assert not (tmp_path / "out").exists()
