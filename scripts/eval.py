@@ -18,6 +18,8 @@ server instead); summary.json's `served_weights` says what was compared, or why 
 hosted API, a hub id). Requests name the server's own name (GET /v1/models) when -m is a local directory
 spelled otherwise; when -m is no local directory and a builtin or vLLM server does not list it, the run
 stops in one sentence. A run that stops before its first episode leaves no run directory behind.
+An example's rollouts at temperature 0 (or top_k 1) are identical: with -r > 1 a warning says so first
+(configs/tiny/eval.toml is greedy; `--sampling.temperature 1.0` samples).
 
 Usage:
     python scripts/eval.py reverse_text -m outputs/models/tiny -n 20 -r 3               # CPU, own server
@@ -125,6 +127,16 @@ def main(cfg: Config) -> dict:
     api_key = given_api_key(cfg.api_key)
     if cfg.base_url is not None:  # a user's OpenAI key is for their endpoint, never for a server started here
         api_key = api_key or os.environ.get("OPENAI_API_KEY")
+
+    greedy = cfg.sampling.temperature == 0 or cfg.sampling.top_k == 1
+    if greedy and cfg.rollouts_per_example > 1:  # a greedy preset (configs/tiny/eval.toml) given -r
+        r = cfg.rollouts_per_example
+        print(
+            f"WARNING: {r} rollouts an example at temperature 0 (or top_k 1) are identical, and pass@{r} is "
+            "pass@1: pass --sampling.temperature 1.0 to sample them, or -r 1",
+            file=sys.stderr,
+            flush=True,
+        )
 
     # ---------------------------------------------------------------- environment
     env = EnvConfig(id=cfg.env, args=cfg.env_args, num_examples=cfg.num_examples, seed=cfg.seed)

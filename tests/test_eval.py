@@ -489,10 +489,14 @@ def test_eval_asks_an_attached_server_the_name_it_answers_to(
     monkeypatch.chdir(tmp_path)
     started, trained = tmp_path / "sft" / "step_60", changed_copy(tiny_dir, tmp_path / "rl" / "step_8")
     shutil.copytree(tiny_dir, started)
-    with running_server(str(started), engine="torch", weights_root=tmp_path, log_path=tmp_path / "log") as server:
+    with running_server(
+        str(started), engine="torch", weights_root=tmp_path, log_path=tmp_path / "log"
+    ) as server:
         respelled = "./sft/step_60"
         argv = f"reverse_text -m {respelled} -b {server.url} -n 1 -r 2 --max-tokens 4".split()
-        summary, _, _ = evaluate(eval_script, [*argv, "--env-args", SYNTHETIC], tmp_path / "respelled", capsys)
+        summary, _, _ = evaluate(
+            eval_script, [*argv, "--env-args", SYNTHETIC], tmp_path / "respelled", capsys
+        )
         assert summary["num_errors"] == 0 and summary["model"] == respelled
 
         argv = f"reverse_text -m {trained} -b {server.url} -n 1 -r 2 --max-tokens 4 --reload-weights".split()
@@ -521,7 +525,9 @@ def test_eval_of_a_name_the_server_does_not_serve_stops_before_any_episode(
     assert "run dir" not in out and not (tmp_path / "out").exists()
 
 
-def test_eval_whose_own_server_fails_to_start_leaves_no_run_directory(eval_script, tiny_dir, tmp_path, capsys):
+def test_eval_whose_own_server_fails_to_start_leaves_no_run_directory(
+    eval_script, tiny_dir, tmp_path, capsys
+):
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text("{}")  # a directory that looks like a model but is none
@@ -533,3 +539,29 @@ def test_eval_whose_own_server_fails_to_start_leaves_no_run_directory(eval_scrip
     err = capsys.readouterr().err
     assert "error: the inference server exited with code" in err and "end of its log" in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "flags,warned",
+    [
+        (["-r", "2", "--sampling.temperature", "0"], True),
+        (["-r", "2", "--sampling.top-k", "1"], True),  # greedy too, as kept-set servers need it
+        (["-r", "1", "--sampling.temperature", "0"], False),
+        (["-r", "2", "--sampling.temperature", "1"], False),
+    ],
+)
+def test_greedy_rollouts_of_one_example_are_said_to_be_identical(
+    eval_script, flags, warned, tmp_path, capsys
+):
+    """`make eval ENV=tiny R=3` ran three identical greedy rollouts an example and said nothing."""
+    conversations = sft_conversations(EnvConfig(id="reverse_text", args=SYNTHETIC, num_examples=1))
+    with serve(oracle_app(conversations)) as url:
+        argv = ["reverse_text", "-m", "oracle", "-b", url, "-n", "1", *flags, "--env-args", SYNTHETIC]
+        eval_script.main(parse(eval_script.Config, [*argv, "--output-dir", str(tmp_path), "--name", "run"]))
+    lines = [line for line in capsys.readouterr().err.splitlines() if "identical" in line]
+    rollouts = flags[1]
+    expected = [
+        f"WARNING: {rollouts} rollouts an example at temperature 0 (or top_k 1) are identical, and pass@{rollouts} "
+        "is pass@1: pass --sampling.temperature 1.0 to sample them, or -r 1"
+    ]
+    assert lines == (expected if warned else []), lines
