@@ -130,10 +130,10 @@ def main(cfg: Config) -> dict:
 
     greedy = cfg.sampling.temperature == 0 or cfg.sampling.top_k == 1
     if greedy and cfg.rollouts_per_example > 1:  # a greedy preset (configs/tiny/eval.toml) given -r
-        r = cfg.rollouts_per_example
+        group = cfg.rollouts_per_example
         print(
-            f"WARNING: {r} rollouts an example at temperature 0 (or top_k 1) are identical, and pass@{r} is "
-            "pass@1: pass --sampling.temperature 1.0 to sample them, or -r 1",
+            f"WARNING: {group} rollouts an example at temperature 0 (or top_k 1) are identical, and "
+            f"pass@{group} is pass@1: pass --sampling.temperature 1.0 to sample them, or -r 1",
             file=sys.stderr,
             flush=True,
         )
