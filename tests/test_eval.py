@@ -565,3 +565,24 @@ def test_greedy_rollouts_of_one_example_are_said_to_be_identical(
         "is pass@1: pass --sampling.temperature 1.0 to sample them, or -r 1"
     ]
     assert lines == (expected if warned else []), lines
+
+
+@pytest.mark.parametrize("owner", ["vllm", "openai"])
+def test_the_name_requests_give_is_the_servers_for_a_directory_and_m_where_it_lists_it(owner, tmp_path):
+    """What lib/endpoint.py request_name answers a vLLM server (as the builtin one) and a hosted API."""
+    from fastapi import FastAPI
+
+    from lib.config import UserError
+    from lib.endpoint import request_name
+
+    app = FastAPI()
+    listed = [{"id": "Qwen/Qwen3-0.6B", "owned_by": owner}, {"id": "adapter", "owned_by": owner}]
+    app.get("/v1/models")(lambda: {"object": "list", "data": listed})
+    with serve(app) as url:
+        assert request_name(url, "adapter") == "adapter"  # listed: as given
+        assert request_name(url, str(tmp_path)) == "Qwen/Qwen3-0.6B"  # a directory: the server's name
+        if owner == "vllm":
+            with pytest.raises(UserError, match="answers to Qwen/Qwen3-0.6B, adapter, not gpt-4o"):
+                request_name(url, "gpt-4o")
+        else:  # a hosted API's own error says more
+            assert request_name(url, "gpt-4o") == "gpt-4o"
