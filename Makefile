@@ -36,7 +36,8 @@ NPROC ?= 1
 NNODES ?= 1
 NODE_RANK ?= 0
 RDZV_ENDPOINT ?= localhost:29500
-# eval: N examples x R rollouts, when given; else the preset's (configs/$(ENV)/eval.toml)
+# eval: N examples x R rollouts, when given; else the preset's (configs/$(ENV)/eval.toml). The greedy presets
+# (tiny, tiny_calculator, mix) sample R > 1 rollouts with ARGS="--sampling.temperature 1.0" (eval.py warns).
 BASE_URL ?=
 N ?=
 R ?=

@@ -27,6 +27,7 @@ import tomli_w
 import tyro
 
 from lib import rundir
+from lib.foreign import leaves, plainrl_flag, plainrl_name, unknown_keys
 
 # What a file or wandb gets in place of an API key.
 REDACTED = "<redacted>"
@@ -144,15 +145,19 @@ def deep_merge(base: dict, update: dict) -> dict:
     return merged
 
 
-def load_presets(files: list[Path]) -> dict:
+def load_presets(files: list[Path], config_class: type | None = None) -> dict:
+    """The presets deep-merged, each first checked against `config_class` (its unknown keys named with it)."""
     merged: dict = {}
     for path in files:
         if not path.is_file():
             fail(f"config file {path} does not exist.")
         try:
-            merged = deep_merge(merged, tomllib.loads(path.read_text()))
+            table = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as error:
             fail(f"{path} is not valid TOML ({error}).")
+        if config_class is not None:
+            preset_to_flags(config_class, table, source=str(path))
+        merged = deep_merge(merged, table)
     return merged
 
 
@@ -176,21 +181,38 @@ def _is_bool(annotation) -> bool:
 def preset_to_flags(
     config_class: type, table: dict, prefix: str = "", source: str = "the TOML presets"
 ) -> list[str]:
-    """Turns a TOML table into tyro flags, naming the first unknown key (and `source`) in one sentence."""
+    """Turns a TOML table into tyro flags. Unknown keys end the program in one sentence that names them all
+    (and `source`), each with plainrl's name for it where prime-rl, verifiers or TRL use it (lib/foreign.py)."""
+    unknown: dict[str, list[str]] = {}
+    flags = _table_flags(config_class, table, prefix, unknown)
+    if len(unknown) == 1 and plainrl_name(config_class, *unknown) is None:
+        [(path, valid)] = unknown.items()
+        fail(f"unknown config key '{path}' in {source} (valid here: {', '.join(sorted(valid))}).")
+    if unknown:
+        fail(unknown_keys(config_class, list(unknown), source))
+    return flags
+
+
+def _table_flags(config_class: type, table: dict, prefix: str, unknown: dict[str, list[str]]) -> list[str]:
+    """preset_to_flags' flags for `table`. Each key the config has no field for (a table's every key) goes to
+    `unknown`, by its dotted path, with the names valid in its place."""
     hints = typing.get_type_hints(config_class)
     fields = {f.name: hints[f.name] for f in dataclasses.fields(config_class) if f.init}
     flags: list[str] = []
     for key, value in table.items():
         name = key.replace("-", "_")
         if name not in fields:
-            valid = ", ".join(sorted(fields))
-            fail(f"unknown config key '{prefix}{key}' in {source} (valid here: {valid}).")
+            unknown.update((path, list(fields)) for path in leaves(value, prefix + name))
+            continue
         annotation = fields[name]
         nested = _dataclass_type(annotation)
         if nested is not None:
             if not isinstance(value, dict):
+                if not prefix and plainrl_name(config_class, name) is not None:
+                    unknown[name] = list(fields)  # RLTrainer's `model = "..."`: plainrl's [model] name
+                    continue
                 fail(f"config key '{prefix}{key}' must be a table such as [{prefix}{key}].")
-            flags += preset_to_flags(nested, value, f"{prefix}{name}.", source)
+            flags += _table_flags(nested, value, f"{prefix}{name}.", unknown)
         elif isinstance(value, dict):
             fail(f"config key '{prefix}{key}' takes a single value, not a table.")
         elif _is_bool(annotation) and isinstance(value, bool):
@@ -275,7 +297,7 @@ def parse(config_class: type, argv: list[str] | None = None, description: str | 
     directory, the run's own config takes the presets' place (resumed)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     files, rest = split_presets(argv)
-    presets = load_presets(files)
+    presets = load_presets(files, config_class)
     flags = preset_to_flags(config_class, presets) + rest
     if "-h" in rest or "--help" in rest:
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `--help | head` ends quietly, as other CLIs do
@@ -306,7 +328,7 @@ def _cli(config_class: type, flags: list[str], description: str | None):
     except SystemExit as exit_:
         if exit_.code in (0, None):
             raise
-        fail(_tyro_message(captured.getvalue()))
+        fail(plainrl_flag(config_class, _tyro_message(captured.getvalue())))
 
 
 def resumed(config_class: type, config, saved: dict, presets: dict, rest: list[str], description: str | None):

@@ -155,16 +155,44 @@ def served_model(base_url: str, api_key: str | None = None) -> str:
     return model_card(base_url, api_key)["id"]
 
 
+def request_name(base_url: str, model: str, api_key: str | None = None) -> str:
+    """The name requests for `model` (eval.py's -m) give the server at base_url: `model` when the server lists
+    it or lists nothing; the name it answers to (served_model) when `model` is a local directory, as a server
+    started on DIR answers to DIR as spelled then, whatever it loaded since (what it computes with is checked
+    apart: lib/inference/weights/reload.py check_serves). A builtin or vLLM server that serves neither ends in
+    one sentence, before any request; another endpoint's own errors say more."""
+    try:
+        cards = model_cards(base_url, api_key)
+    except UserError:  # an endpoint need not serve /models (check_reachable asked already)
+        return model
+    names = [card["id"] for card in cards]
+    if model in names:
+        return model
+    if os.path.isdir(os.path.expanduser(model)):
+        return names[0]
+    if cards[0].get("owned_by") in ("plainrl", "vllm"):
+        raise UserError(
+            f"the inference server {root_url(base_url)} answers to {', '.join(names)}, not {model} (-m): give -m "
+            "that name, or the local directory it serves"
+        )
+    return model
+
+
 def model_card(base_url: str, api_key: str | None = None) -> dict:
     """The first model of GET /v1/models (its `id`, and `max_model_len` on vLLM and the builtin engine)."""
+    return model_cards(base_url, api_key)[0]
+
+
+def model_cards(base_url: str, api_key: str | None = None) -> list[dict]:
+    """Every model GET /v1/models lists (the served model first; then a server's LoRA adapters), at least one."""
     base_url = check_base_url(base_url)
     try:
         response = httpx.get(f"{base_url}/models", headers=headers(api_key), timeout=30, verify=ssl_context())
         response.raise_for_status()
-        card = response.json()["data"][0]
-        if not isinstance(card.get("id"), str):
+        cards = response.json()["data"]
+        if not cards or not all(isinstance(card.get("id"), str) for card in cards):
             raise LookupError("no model id")
-        return card
+        return cards
     except httpx.HTTPStatusError as error:
         status = error.response.status_code
         if status in (401, 403):
@@ -172,7 +200,7 @@ def model_card(base_url: str, api_key: str | None = None) -> dict:
         raise UserError(f"{base_url}/models answered {status}: is it an inference server?") from None
     except httpx.HTTPError as error:
         raise UserError(f"cannot reach the inference server {base_url} ({error})") from None
-    except (ValueError, LookupError, TypeError):
+    except (ValueError, LookupError, TypeError, AttributeError):
         raise UserError(f"{base_url}/models does not list a model: is it an inference server?") from None
 
 

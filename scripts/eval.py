@@ -15,7 +15,11 @@ server answers to the name it was started with, whatever it loaded since: with -
 weights it computes with are compared with -m's first (their fingerprints, lib/inference/weights/reload.py check_serves),
 and a difference stops the run in one sentence before any episode (--reload-weights loads -m into the
 server instead); summary.json's `served_weights` says what was compared, or why it could not be (a
-hosted API, a hub id).
+hosted API, a hub id). Requests name the server's own name (GET /v1/models) when -m is a local directory
+spelled otherwise; when -m is no local directory and a builtin or vLLM server does not list it, the run
+stops in one sentence. A run that stops before its first episode leaves no run directory behind.
+An example's rollouts at temperature 0 (or top_k 1) are identical: with -r > 1 a warning says so first
+(configs/tiny/eval.toml is greedy; `--sampling.temperature 1.0` samples).
 
 Usage:
     python scripts/eval.py reverse_text -m outputs/models/tiny -n 20 -r 3               # CPU, own server
@@ -28,6 +32,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -41,7 +46,7 @@ import lib.venv  # noqa: F401  (first: says which python to use when the depende
 import tyro
 
 from lib.config import UserError, fail, given_api_key, parse, run_main, write_config
-from lib.endpoint import check_base_url, check_reachable
+from lib.endpoint import check_base_url, check_reachable, request_name
 from lib.log import WandbConfig
 from lib.models.load import ModelConfig
 from lib.orchestrator.envs import json_object
@@ -123,6 +128,16 @@ def main(cfg: Config) -> dict:
     if cfg.base_url is not None:  # a user's OpenAI key is for their endpoint, never for a server started here
         api_key = api_key or os.environ.get("OPENAI_API_KEY")
 
+    greedy = cfg.sampling.temperature == 0 or cfg.sampling.top_k == 1
+    if greedy and cfg.rollouts_per_example > 1:  # a greedy preset (configs/tiny/eval.toml) given -r
+        group = cfg.rollouts_per_example
+        print(
+            f"WARNING: {group} rollouts an example at temperature 0 (or top_k 1) are identical, and "
+            f"pass@{group} is pass@1: pass --sampling.temperature 1.0 to sample them, or -r 1",
+            file=sys.stderr,
+            flush=True,
+        )
+
     # ---------------------------------------------------------------- environment
     env = EnvConfig(id=cfg.env, args=cfg.env_args, num_examples=cfg.num_examples, seed=cfg.seed)
     try:
@@ -139,6 +154,8 @@ def main(cfg: Config) -> dict:
         fail(f"environment {cfg.env} gave no tasks.")
     if cfg.base_url is not None:
         check_reachable(cfg.base_url, api_key)  # else every episode would fail on it, one by one
+        # Requests name the server's own name: it answers to -m only as spelled when it was started.
+        requested = request_name(cfg.base_url, cfg.model.name, api_key)
         # A server answers to the name it was started with, whatever it loaded since (an attached rl.py
         # run loads its own weights): what it computes with must be -m, or no score is -m's.
         try:
@@ -156,6 +173,7 @@ def main(cfg: Config) -> dict:
     )
     run_dir = cfg.output_dir / name
     print(f"run dir: {run_dir}", flush=True)
+    made = [path for path in (run_dir, *run_dir.parents) if not path.exists()]  # what a failed start removes
     run_dir.mkdir(parents=True, exist_ok=True)
     write_config(cfg, run_dir / "config.toml")
 
@@ -171,12 +189,17 @@ def main(cfg: Config) -> dict:
             try:
                 server = stack.enter_context(serving)
                 base_url, command = server.url, server.process.args
-            except RuntimeError as error:
-                fail(str(error))
-            served = check_serves(base_url, Path(cfg.model.name), api_key)
+                served = check_serves(base_url, Path(cfg.model.name), api_key)
+            except BaseException as error:  # Ctrl-C too: no episode ran, so the run leaves nothing behind
+                if made:
+                    shutil.rmtree(made[-1], ignore_errors=True)
+                if isinstance(error, RuntimeError):
+                    fail(str(error).replace(f"end of {log}:", "end of its log:"))
+                raise
+            requested = cfg.model.name  # the name it was started with
         print(f"served weights: {served}", flush=True)
         stack.enter_context(key_in_environment(api_key))
-        ctx = model_context(base_url, cfg.model.name, cfg.sampling)
+        ctx = model_context(base_url, requested, cfg.sampling)
         write_provenance(run_dir, [{"url": base_url, "command": command, "weights": served}], api_key)
 
         # ------------------------------------------------------------ rollouts

@@ -337,3 +337,91 @@ def test_help_keeps_within_100_columns(script, capsys, monkeypatch):
     assert ended.value.code == 0
     out = capsys.readouterr().out
     assert "Usage:" in out and all(len(line) <= 100 for line in out.splitlines()), out
+
+
+# verifiers' RLTrainer config for reverse-text (vf-rl's one TOML), as its tutorial gives it.
+RLTRAINER_TOML = """\
+model = "PrimeIntellect/Qwen3-0.6B-Reverse-Text-SFT"
+
+[env]
+id = "reverse_text"
+
+[inference]
+gpus = 1
+
+[inference.args]
+enforce_eager = true
+
+[trainer]
+gpus = 1
+
+[trainer.args]
+run_name = "reverse-text"
+use_lora = false
+learning_rate = 3e-6
+micro_batch_size = 16
+rollouts_per_example = 16
+batch_size = 128
+max_steps = 100
+max_tokens = 128
+max_seq_len = 512
+"""
+
+
+def test_an_rltrainer_toml_gets_every_unknown_key_and_plainrls_name_at_once(tmp_path, capsys):
+    path = tmp_path / "reverse-text.toml"
+    path.write_text(RLTRAINER_TOML)
+    with pytest.raises(SystemExit) as ended:
+        parse(load_script("rl").Config, ["@", str(path)])
+    assert ended.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: unknown config keys in {path}: "), lines
+    named = {
+        "model": "model.name",
+        "inference.gpus": "inference.urls",
+        "inference.args.enforce_eager": "scripts/serve.py --vllm.extra-args",
+        "trainer.gpus": "torchrun --nproc-per-node N",
+        "trainer.args.run_name": "output_dir",
+        "trainer.args.use_lora": "lora.rank",
+        "trainer.args.learning_rate": "optim.lr",
+        "trainer.args.micro_batch_size": "micro_batch_size",
+        "trainer.args.rollouts_per_example": "rollouts_per_example",
+        "trainer.args.batch_size": "examples_per_step x rollouts_per_example",
+        "trainer.args.max_steps": "steps",
+        "trainer.args.max_tokens": "sampling.max_tokens",
+        "trainer.args.max_seq_len": "seq_len",
+    }
+    for key, name in named.items():
+        assert f"{key} (plainrl: {name}" in lines[0], (key, lines[0])
+    assert "env.id" not in lines[0]  # plainrl's name too
+    assert "docs/coming-from.md" in lines[0]
+
+
+def test_one_unknown_key_with_no_foreign_name_still_lists_the_valid_ones(tmp_path, capsys):
+    path = tmp_path / "typo.toml"
+    path.write_text("[optim]\nlearnig_rate = 1e-5\n")
+    with pytest.raises(SystemExit):
+        parse(load_script("sft").Config, ["@", str(path)])
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"error: unknown config key 'optim.learnig_rate' in {path} (valid here: beta1, beta2, lr, "
+    ), err
+
+
+@pytest.mark.parametrize(
+    "flag,meant",
+    [
+        ("--optim.learning-rate", "--optim.lr"),  # prime-rl's and RLTrainer's name, under plainrl's table
+        ("--learning-rate", "--optim.lr"),
+        ("--max-steps", "--steps"),
+        ("--trainer.optim.lr", "--optim.lr"),  # prime-rl's path
+        ("--num-generations", "--rollouts-per-example"),  # TRL's
+        ("--optim.weight-decy", "--optim.weight-decay"),  # a typo in a dotted flag
+    ],
+)
+def test_a_dotted_or_foreign_flag_gets_plainrls_name(flag, meant, capsys):
+    with pytest.raises(SystemExit) as ended:
+        parse(load_script("rl").Config, [flag, "3"])
+    assert ended.value.code == 2
+    err = capsys.readouterr().err
+    assert err == f"error: Unrecognized options: {flag}, 3 (did you mean {meant}?).\n", err

@@ -505,3 +505,115 @@ def test_an_environment_file_that_fails_to_import_or_to_give_examples_ends_eval_
         last = err.strip().splitlines()[-1]
         assert last.startswith(f"error: environment file {tmp_path / name}") and error in last, last
         assert not out.exists()  # nothing left behind
+
+
+@pytest.mark.slow
+def test_eval_asks_an_attached_server_the_name_it_answers_to(
+    eval_script, tiny_dir, tmp_path, capsys, monkeypatch
+):
+    """A server answers to the name it was started with: -m spelled otherwise (./DIR), or another checkpoint
+    that --reload-weights loads into it, is sent under the server's name, not -m's (seen: a 404 on every episode)."""
+    import shutil
+
+    from lib.inference.launch import running_server
+
+    monkeypatch.chdir(tmp_path)
+    started, trained = tmp_path / "sft" / "step_60", changed_copy(tiny_dir, tmp_path / "rl" / "step_8")
+    shutil.copytree(tiny_dir, started)
+    with running_server(
+        str(started), engine="torch", weights_root=tmp_path, log_path=tmp_path / "log"
+    ) as server:
+        respelled = "./sft/step_60"
+        argv = f"reverse_text -m {respelled} -b {server.url} -n 1 -r 2 --max-tokens 4".split()
+        summary, _, _ = evaluate(
+            eval_script, [*argv, "--env-args", SYNTHETIC], tmp_path / "respelled", capsys
+        )
+        assert summary["num_errors"] == 0 and summary["model"] == respelled
+
+        argv = f"reverse_text -m {trained} -b {server.url} -n 1 -r 2 --max-tokens 4 --reload-weights".split()
+        summary, _, _ = evaluate(eval_script, [*argv, "--env-args", SYNTHETIC], tmp_path / "reloaded", capsys)
+    assert summary["num_errors"] == 0 and summary["served_weights"].endswith("(loaded by --reload-weights)")
+
+
+@pytest.mark.slow
+def test_eval_of_a_name_the_server_does_not_serve_stops_before_any_episode(
+    eval_script, tiny_dir, tmp_path, capsys
+):
+    from lib.inference.launch import running_server
+
+    with running_server(str(tiny_dir), engine="torch", log_path=tmp_path / "server.log") as server:
+        argv = f"reverse_text -m Qwen/Qwen3-0.6B -b {server.url} -n 1 -r 1 --env-args".split() + [SYNTHETIC]
+        config = parse(eval_script.Config, [*argv, "--output-dir", str(tmp_path / "out")])
+        with pytest.raises(SystemExit) as exit_info:
+            run_main(eval_script.main, config)
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    root = server.url.removesuffix("/v1")
+    assert err.strip().splitlines()[-1] == (
+        f"error: the inference server {root} answers to {tiny_dir}, not Qwen/Qwen3-0.6B (-m): give -m that "
+        "name, or the local directory it serves."
+    ), err
+    assert "run dir" not in out and not (tmp_path / "out").exists()
+
+
+def test_eval_whose_own_server_fails_to_start_leaves_no_run_directory(
+    eval_script, tiny_dir, tmp_path, capsys
+):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")  # a directory that looks like a model but is none
+    argv = ["reverse_text", "-m", str(broken), "--engine", "torch", "-n", "1", "--env-args", SYNTHETIC]
+    config = parse(eval_script.Config, [*argv, "--output-dir", str(tmp_path / "out"), "--name", "run"])
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(eval_script.main, config)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: the inference server exited with code" in err and "end of its log" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "flags,warned",
+    [
+        (["-r", "2", "--sampling.temperature", "0"], True),
+        (["-r", "2", "--sampling.top-k", "1"], True),  # greedy too, as kept-set servers need it
+        (["-r", "1", "--sampling.temperature", "0"], False),
+        (["-r", "2", "--sampling.temperature", "1"], False),
+    ],
+)
+def test_greedy_rollouts_of_one_example_are_said_to_be_identical(
+    eval_script, flags, warned, tmp_path, capsys
+):
+    """`make eval ENV=tiny R=3` ran three identical greedy rollouts an example and said nothing."""
+    conversations = sft_conversations(EnvConfig(id="reverse_text", args=SYNTHETIC, num_examples=1))
+    with serve(oracle_app(conversations)) as url:
+        argv = ["reverse_text", "-m", "oracle", "-b", url, "-n", "1", *flags, "--env-args", SYNTHETIC]
+        eval_script.main(parse(eval_script.Config, [*argv, "--output-dir", str(tmp_path), "--name", "run"]))
+    lines = [line for line in capsys.readouterr().err.splitlines() if "identical" in line]
+    rollouts = flags[1]
+    expected = [
+        f"WARNING: {rollouts} rollouts an example at temperature 0 (or top_k 1) are identical, and pass@{rollouts} "
+        "is pass@1: pass --sampling.temperature 1.0 to sample them, or -r 1"
+    ]
+    assert lines == (expected if warned else []), lines
+
+
+@pytest.mark.parametrize("owner", ["vllm", "openai"])
+def test_the_name_requests_give_is_the_servers_for_a_directory_and_m_where_it_lists_it(owner, tmp_path):
+    """What lib/endpoint.py request_name answers a vLLM server (as the builtin one) and a hosted API."""
+    from fastapi import FastAPI
+
+    from lib.config import UserError
+    from lib.endpoint import request_name
+
+    app = FastAPI()
+    listed = [{"id": "Qwen/Qwen3-0.6B", "owned_by": owner}, {"id": "adapter", "owned_by": owner}]
+    app.get("/v1/models")(lambda: {"object": "list", "data": listed})
+    with serve(app) as url:
+        assert request_name(url, "adapter") == "adapter"  # listed: as given
+        assert request_name(url, str(tmp_path)) == "Qwen/Qwen3-0.6B"  # a directory: the server's name
+        if owner == "vllm":
+            with pytest.raises(UserError, match="answers to Qwen/Qwen3-0.6B, adapter, not gpt-4o"):
+                request_name(url, "gpt-4o")
+        else:  # a hosted API's own error says more
+            assert request_name(url, "gpt-4o") == "gpt-4o"
