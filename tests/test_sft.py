@@ -3,6 +3,7 @@ bf16 autocast on CPU."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -425,6 +426,54 @@ def test_export_refuses_an_output_directory_it_did_not_write(tiny_dir, tmp_path,
             export.main(parse(export.Config, [str(checkpoint), "--output-dir", str(output)]))
     for run_dir in (tmp_path / "runs" / "run", other_run):
         assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "config.toml", "metrics.jsonl"]
+
+
+def test_export_replaces_only_an_earlier_export_that_holds_nothing_else(
+    tiny_dir, data_file, tmp_path, capsys
+):
+    # Seen (#77 item 2): any folder with a file named export.json was replaced whole (thesis.tex beside it went),
+    # and so was a real earlier export with a README and a results folder added; a symlinked --output-dir got
+    # the export, then "Cannot call rmtree on a symbolic link" and a .old-link left behind.
+    from lib.config import run_main
+
+    export = load_script("export")
+    run(*flags(tiny_dir, data_file, tmp_path / "run", "--steps", "1"))
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_1"
+    outputs = tmp_path / "outputs"
+    mine, earlier, link = outputs / "mine", outputs / "earlier", outputs / "link"
+    mine.mkdir(parents=True)
+    (mine / "export.json").write_text('{"settings": 1}')
+    (mine / "thesis.tex").write_text("thesis")
+    older = outputs / "older"  # an export from before export.json listed its files: nothing tells them apart
+    older.mkdir()
+    (older / "export.json").write_text(json.dumps({"checkpoint": str(checkpoint), "weights": "full weights"}))
+    (older / "config.json").write_text("{}")
+    assert export.main(parse(export.Config, [str(checkpoint), "--output-dir", str(earlier)])) == earlier
+    link.symlink_to(earlier, target_is_directory=True)
+    (earlier / "README.md").write_text("notes")
+    (earlier / "results").mkdir()
+    (earlier / "results" / "scores.csv").write_text("1")
+
+    def files():
+        return {str(p.relative_to(outputs)): p.is_symlink() or p.read_bytes() for p in sorted(outputs.rglob("*"))
+                if p.is_file() or p.is_symlink()}  # fmt: skip
+
+    before = files()
+    refusals = [(mine, "thesis.tex"), (earlier, "README.md, results"), (link, f"to {earlier}")]
+    for output, named in [*refusals, (older, "from before export.json listed the files")]:
+        with pytest.raises(SystemExit) as exit_info:
+            run_main(export.main, parse(export.Config, [str(checkpoint), "--output-dir", str(output)]))
+        said = capsys.readouterr().err  # transformers' progress bars, then the one sentence
+        error = said.strip().splitlines()[-1]
+        assert exit_info.value.code == 2 and "Traceback" not in said, said
+        assert error.startswith(f"error: --output-dir {output} ") and named in error, error
+        assert files() == before
+        assert sorted(p.name for p in outputs.iterdir()) == ["earlier", "link", "mine", "older"]
+    # Without what was added, the earlier export is export.py's alone again: the next export replaces it.
+    (earlier / "README.md").unlink()
+    shutil.rmtree(earlier / "results")
+    assert export.main(parse(export.Config, [str(checkpoint), "--output-dir", str(earlier)])) == earlier
+    assert (mine / "thesis.tex").read_text() == "thesis"
 
 
 def rewrite_weights(model_dir) -> bytes:
