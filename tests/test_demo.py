@@ -12,6 +12,7 @@ import tomllib
 import pytest
 from conftest import load_script
 
+from lib import rundir
 from lib.config import UserError
 
 demo = load_script("demo")
@@ -26,14 +27,15 @@ TOY = {"model": "tiny", "sft_steps": 4, "rl_steps": 2, "eval_examples": 4, "eval
 
 
 def files(directory) -> dict:
-    """Every file under `directory`, with its modification time and content hash."""
+    """Every file under `directory`, with its modification time and content hash; not run.lock, which names the
+    process that last held its directory (each demo, run and evaluation takes it: lib/runlock.py)."""
     return {
         str(path.relative_to(directory)): (
             path.stat().st_mtime_ns,
             hashlib.sha256(path.read_bytes()).hexdigest(),
         )
         for path in sorted(directory.rglob("*"))
-        if path.is_file()
+        if path.is_file() and path.name != rundir.LOCK
     }
 
 
