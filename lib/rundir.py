@@ -50,6 +50,7 @@ OUTPUTS = (
     SERVER_LOG,
     LOSS_CURVE,
     REWARD_CURVE,
+    EXPORTED,  # made from the run's checkpoints: a restart's would be other weights under the same step_N
 )
 # What a directory may hold before its first run: a SLURM job writes its script there first, and a run refused
 # after taking the lock (or killed before it wrote anything) leaves the lock's file.

@@ -113,6 +113,16 @@ def test_wandb_offline_logs_every_step_as_tensorboard_does_plus_curve_and_proven
     provenance = json.loads((out / "provenance.json").read_text())
     assert provenance["packages"]["torch"] == torch.__version__ and provenance["packages"]["transformers"]
     assert len(provenance["plainrl_revision"].removesuffix("-dirty")) == 40
+    # A restart sets aside all that the run, wandb and an export wrote (#77 item 4: exported/ stayed).
+    from lib import rundir
+
+    export = load_script("export")
+    export.main(parse(export.Config, [str(out / "checkpoints" / "step_4")]))
+    wrote = {p.name for p in out.iterdir()}
+    assert {"wandb", "wandb_id", "exported", "loss_curve.png"} <= wrote, wrote
+    moved = rundir.set_aside(out)
+    assert sorted(p.name for p in out.iterdir()) == ["base.json", "config.toml", "restarted", "run.lock"]
+    assert {p.name for p in moved.iterdir()} == wrote - {"run.lock"}
 
 
 def test_asking_for_wandb_without_it_installed_fails_at_parse_time_in_one_sentence(tmp_path):
