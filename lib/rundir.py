@@ -12,7 +12,7 @@ CONFIG = "config.toml"  # the resolved config the run started with (lib/trainer/
 CONFIG_HEADER = "# plainrl's resolved config: `@` this file, with a new --output-dir, to repeat the run\n"
 RESUMES = "resumes.jsonl"  # a line per resume that changed the config: the changes, the config it took
 PROVENANCE = "provenance.json"  # lib/provenance.py
-BASE = "base.json"  # the base model's path and weights' sha256 (lib/provenance.py write_base), at step 0
+BASE = "base.json"  # the base model's path, weights' and config's sha256 (lib/provenance.py), at step 0
 TENSORBOARD = "tb"  # lib/log.py
 METRICS = "metrics.jsonl"  # lib/log.py
 WANDB = "wandb"  # wandb's own files: wandb.init(dir=run_dir) names the folder

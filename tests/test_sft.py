@@ -527,3 +527,34 @@ def test_a_lora_run_records_its_base_and_export_and_resume_refuse_another(tiny_d
 
     (base / "model.safetensors").write_bytes(original)  # the same weights, written again: a new file time
     assert len(run(*flags(base, data_file, out, *lora, "--steps", "2", "--resume"))["history"]) == 1
+
+
+def test_a_lora_runs_base_record_covers_its_config_and_an_older_record_its_weights_alone(
+    tiny_dir, data_file, tmp_path
+):
+    # Seen (#77 item 10): base.json hashed the safetensors only: a base whose config.json changed (rms_norm_eps
+    # 0.5) after a LoRA run passed export.py and --resume, and the adapters sat on another function.
+    export = load_script("export")
+    base, out = tmp_path / "base", tmp_path / "run"
+    shutil.copytree(tiny_dir, base)
+    lora = ["--lora.rank", "4", "--lora.alpha", "8"]
+    run(*flags(base, data_file, out, *lora, "--steps", "1"))
+    checkpoint = out / "checkpoints" / "step_1"
+    original = (base / "config.json").read_text()
+    (base / "config.json").write_text(json.dumps({**json.loads(original), "rms_norm_eps": 0.5}))
+    with pytest.raises(ValueError) as refused:
+        export.main(parse(export.Config, [str(checkpoint)]))
+    message = str(refused.value)
+    assert message.startswith(f"export: {out} trained its LoRA adapters on {base}") and "\n" not in message
+    assert f"{base} now holds another config.json or tokenizer" in message, message
+    with pytest.raises(ValueError, match=f"--resume: {out} trained its LoRA adapters on {base}"):
+        run(*flags(base, data_file, out, *lora, "--steps", "2", "--resume"))
+    assert not (out / "exported").exists() and not (out / "checkpoints" / "step_2").exists()
+    # A base.json from before it recorded the config: the config is unknown, the weights are still checked.
+    record = json.loads((out / "base.json").read_text())
+    del record["config_sha256"]
+    (out / "base.json").write_text(json.dumps(record))
+    assert export.main(parse(export.Config, [str(checkpoint)])) == out / "exported" / "step_1"
+    rewrite_weights(base)
+    with pytest.raises(ValueError, match=f"{base} now holds other weights"):
+        export.main(parse(export.Config, [str(checkpoint)]))
