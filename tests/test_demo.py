@@ -198,6 +198,31 @@ def test_a_rerun_with_other_settings_or_into_a_foreign_directory_is_refused(toy_
     assert sorted(path.name for path in tmp_path.iterdir()) == ["mine.txt"]
 
 
+def test_a_second_demo_in_a_live_demos_out_is_refused_naming_its_pid(tmp_path):
+    # Seen (#77 item 3): two demos on one --out set each other's runs aside (both pass --resume).
+    import subprocess
+    import sys
+
+    from lib.config import write_config
+
+    cfg = demo.Config(out=tmp_path / "demo", **TOY)
+    write_config(demo.resolved(cfg), cfg.out / demo.SETTINGS)  # as the first demo left it
+    holder = "import sys; from pathlib import Path; from lib import runlock; runlock.hold(Path(sys.argv[1]))"
+    holder += "; print('holding', flush=True); sys.stdin.read()"
+    first = subprocess.Popen(
+        [sys.executable, "-c", holder, str(cfg.out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert first.stdout.readline().strip() == "holding"  # bounded: it ends with the process
+        before = sorted(p.name for p in cfg.out.iterdir())
+        with pytest.raises(UserError, match=rf"^{cfg.out} is in use by another run \(pid {first.pid} on "):
+            demo.main(cfg)
+        assert sorted(p.name for p in cfg.out.iterdir()) == before == ["demo.toml", "run.lock"]
+    finally:
+        first.stdin.close()
+        first.wait(timeout=60)
+
+
 def recording(monkeypatch, out) -> list:
     """Makes demo.run record each stage's command (in the list returned) instead of running it; an eval.py
     command leaves the summary.json of an evaluation whose every episode was scored."""
