@@ -111,18 +111,44 @@ def file_sha256(path: Path) -> str:
         return hashlib.file_digest(file, "sha256").hexdigest()
 
 
-def base_record(name: str) -> dict:
-    """{"model", "path", "sha256"}: the base model as given, the directory its weights are read from, and a
-    sha256 over every byte of its safetensors files (None where there are none). Files' sizes and times miss a
-    rewrite (a copy keeps them; a file written again with the same weights moves them); reading the bytes
-    costs ~0.7 s for SmolLM2's 538 MB on one busy core, ~1 s a GB, at a run's start, a LoRA resume or export."""
-    directory = model_directory(name)
-    files = sorted(directory.glob("*.safetensors")) if directory else []
+# Besides the weights, what makes the base model the function its LoRA adapters were trained on: its
+# architecture and numerics (config.json: rms_norm_eps, rope, ...) and its tokenizer, which export.py copies.
+# JSON files only: a hub model's snapshot holds those from the start (model_directory), while transformers
+# adds merges.txt or chat_template.jinja there when it first loads the tokenizer, after the record.
+DEFINING = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+)
+
+
+def files_sha256(files: list[Path]) -> str | None:
+    """One sha256 over the files' names and contents (None for no file)."""
     digest = hashlib.sha256()
     for file in files:
         digest.update(f"{file.name} {file_sha256(file)}\n".encode())
+    return digest.hexdigest() if files else None
+
+
+def base_record(name: str) -> dict:
+    """{"model", "path", "sha256", "config_sha256"}: the base model as given, the directory its weights are read
+    from, a sha256 over every byte of its safetensors files, and one over its DEFINING files (each None where
+    there are none). Files' sizes and times miss a rewrite (a copy keeps them; a file written again with the
+    same weights moves them); reading the bytes costs ~0.7 s for SmolLM2's 538 MB on one busy core, ~1 s a
+    GB, at a run's start, a LoRA resume or export."""
+    directory = model_directory(name)
+    weights = sorted(directory.glob("*.safetensors")) if directory else []
+    defining = [directory / file for file in DEFINING if directory and (directory / file).is_file()]
     path = str(directory) if directory else None
-    return {"model": name, "path": path, "sha256": digest.hexdigest() if files else None}
+    return {
+        "model": name,
+        "path": path,
+        "sha256": files_sha256(weights),
+        "config_sha256": files_sha256(defining),
+    }
 
 
 def write_base(run_dir: Path, name: str) -> None:
@@ -131,21 +157,24 @@ def write_base(run_dir: Path, name: str) -> None:
 
 
 def check_base(run_dir: Path, name: str, doing: str) -> None:
-    """A one-sentence UserError, starting with `doing`, when the base model `name` now holds other weights than
-    the ones run_dir recorded: its LoRA adapters were trained on those. A run from before base.json, or a
-    base without safetensors files, is taken as it is."""
+    """A one-sentence UserError, starting with `doing`, when the base model `name` now holds other weights, or
+    another config.json or tokenizer, than the ones run_dir recorded: its LoRA adapters were trained on those.
+    A run from before base.json is taken as it is; one from before base.json recorded the config has its
+    weights checked alone; a base without such files has them unchecked."""
     path = Path(run_dir) / rundir.BASE
     if not path.is_file():
         return
     recorded, current = json.loads(path.read_text()), base_record(name)
-    if None in (recorded["sha256"], current["sha256"]) or recorded["sha256"] == current["sha256"]:
-        return
-    raise UserError(
-        f"{doing}: {run_dir} trained its LoRA adapters on {recorded['path']} (weights sha256 "
-        f"{recorded['sha256'][:16]}), and {current['path']} now holds other weights (sha256 "
-        f"{current['sha256'][:16]}), which the adapters were not trained for; put the run's base model back, or "
-        "train a new run on this one."
-    )
+    for field, what in (("sha256", "other weights"), ("config_sha256", "another config.json or tokenizer")):
+        if None in (recorded.get(field), current[field]) or recorded[field] == current[field]:
+            continue
+        kind = "weights" if field == "sha256" else "config and tokenizer"
+        raise UserError(
+            f"{doing}: {run_dir} trained its LoRA adapters on {recorded['path']} ({kind} sha256 "
+            f"{recorded[field][:16]}), and {current['path']} now holds {what} (sha256 {current[field][:16]}), "
+            "which the adapters were not trained for; put the run's base model back, or train a new run on "
+            "this one."
+        )
 
 
 def is_local(name: str) -> bool:

@@ -12,7 +12,7 @@ CONFIG = "config.toml"  # the resolved config the run started with (lib/trainer/
 CONFIG_HEADER = "# plainrl's resolved config: `@` this file, with a new --output-dir, to repeat the run\n"
 RESUMES = "resumes.jsonl"  # a line per resume that changed the config: the changes, the config it took
 PROVENANCE = "provenance.json"  # lib/provenance.py
-BASE = "base.json"  # the base model's path and weights' sha256 (lib/provenance.py write_base), at step 0
+BASE = "base.json"  # the base model's path, weights' and config's sha256 (lib/provenance.py), at step 0
 TENSORBOARD = "tb"  # lib/log.py
 METRICS = "metrics.jsonl"  # lib/log.py
 WANDB = "wandb"  # wandb's own files: wandb.init(dir=run_dir) names the folder
@@ -29,6 +29,9 @@ EXPORTED = "exported"  # checkpoints written as Hugging Face directories by scri
 # In each directory scripts/export.py writes (the checkpoint it came from): the only non-empty directory an
 # export may replace is an earlier export.
 EXPORT_RECORD = "export.json"
+# The pid and host of the process that holds the directory (lib/runlock.py): one run in it at a time. It stays
+# after the run and holds no one then: the lock is an flock, which the kernel drops when its process ends.
+LOCK = "run.lock"
 RESTARTED = "restarted"  # earlier runs' outputs, set aside by a restart (lib/trainer/checkpoint.py set_aside)
 
 # What a restart moves to restarted/<time>/, and nothing else the directory holds: the job that runs the
@@ -47,9 +50,11 @@ OUTPUTS = (
     SERVER_LOG,
     LOSS_CURVE,
     REWARD_CURVE,
+    EXPORTED,  # made from the run's checkpoints: a restart's would be other weights under the same step_N
 )
-# What a directory may hold before its first run: a SLURM job writes its script there first.
-BEFORE_RUN = (SLURM,)
+# What a directory may hold before its first run: a SLURM job writes its script there first, and a run refused
+# after taking the lock (or killed before it wrote anything) leaves the lock's file.
+BEFORE_RUN = (SLURM, LOCK)
 # A field of one script's config alone: which script's run a config.toml is (tests/test_rundir.py keeps it so).
 SCRIPT_FIELDS = {"batch_size": "sft.py", "max_async_level": "rl.py", "base_url": "eval.py"}
 

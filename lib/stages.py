@@ -106,8 +106,12 @@ def run_stages(every: list[Stage], record: Path, label: str) -> list[Stage]:
         if stage.run_dir is not None:
             if started.get(stage.name, made_from.get(stage.name, inputs)) != inputs:
                 from lib.rundir import set_aside
+                from lib.runlock import hold, release
 
+                took = hold(stage.run_dir)  # nothing moves under a run that is writing there
                 moved = set_aside(stage.run_dir)
+                if took:
+                    release(stage.run_dir)
                 print(
                     f"{stage.name}: its inputs changed since it ran, so it starts over (the old run: {moved})"
                 )

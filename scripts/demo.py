@@ -49,6 +49,7 @@ from typing import Literal
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # finds lib/ outside the virtualenv too
 import lib.venv  # noqa: F401  (first: says which python to use when the dependencies are missing)
+from lib import runlock
 from lib.config import UserError, parse, run_main, to_dict, write_config
 from lib.models.smollm2 import SMOLLM2_DIR
 from lib.stages import Stage, resolved_command, run_stages
@@ -399,6 +400,8 @@ def main(cfg: Config) -> dict:
     start = time.perf_counter()
     check_settings(cfg)
     with contextlib.ExitStack() as cleanup:
+        if runlock.hold(cfg.out):  # one demo in --out at a time: two would set each other's runs aside
+            cleanup.callback(runlock.release, cfg.out)
         left = run_stages(stages(cfg, cleanup), cfg.out / INPUTS, f"the demo in {cfg.out}")
 
     # ------------------------------------------------------------ report

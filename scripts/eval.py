@@ -112,6 +112,7 @@ def main(cfg: Config) -> dict:
     from rich.table import Table
     from rich.text import Text
 
+    from lib import runlock
     from lib.config import to_dict
     from lib.endpoint import PauseWatch, is_healthy, key_in_environment, unless_paused
     from lib.inference.launch import running_server
@@ -172,9 +173,9 @@ def main(cfg: Config) -> dict:
         or f"{Path(cfg.env).name.removesuffix('.py')}-{Path(cfg.model.name).name}-{time.strftime('%Y%m%d-%H%M%S')}"
     )
     run_dir = cfg.output_dir / name
-    print(f"run dir: {run_dir}", flush=True)
     made = [path for path in (run_dir, *run_dir.parents) if not path.exists()]  # what a failed start removes
-    run_dir.mkdir(parents=True, exist_ok=True)
+    runlock.hold(run_dir)  # made here, and one evaluation in it at a time
+    print(f"run dir: {run_dir}", flush=True)
     write_config(cfg, run_dir / "config.toml")
 
     # ---------------------------------------------------------------- server

@@ -7,8 +7,9 @@ weights into it and writes config, safetensors and tokenizer, as weights/step_N 
 serve.py, eval.py, vLLM and transformers load. LoRA adapters are merged into the weights. The weights
 are written in the dtype the run would save on this machine's CPU.
 
-The output directory is replaced whole, so it must be new, empty, or an earlier export (export.py leaves
-export.json in each); a directory holding anything else, a run directory or a folder above one is refused.
+The output directory is replaced whole, so it must be new, empty, or an earlier export holding only what
+export.py wrote there (its export.json lists the files); a directory holding anything else, a symbolic link,
+a run directory or a folder above one is refused.
 
 Usage:
     python scripts/export.py outputs/tiny/rl/checkpoints/step_100                   # -> outputs/tiny/rl/exported/step_100
@@ -82,8 +83,10 @@ def main(cfg: Config) -> Path:
     kind = f"LoRA rank {lora.rank} merged" if lora.rank else "full weights"
     with atomic_dir(output) as tmp:
         write_hf_dir(tmp, state, hf_model, load_tokenizer(model_config.name), save_dtype)
-        record = {"checkpoint": str(checkpoint.resolve()), "weights": kind}
+        files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+        record = {"checkpoint": str(checkpoint.resolve()), "weights": kind, "files": files}
         (tmp / rundir.EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+        check_output(output, run_dir)  # again, just before the swap: the model took a while to build
     print(
         f"wrote {output} ({kind}, {str(save_dtype).removeprefix('torch.')}): serve.py, eval.py -m, vLLM load it"
     )
@@ -91,11 +94,16 @@ def main(cfg: Config) -> Path:
 
 
 def check_output(output: Path, run_dir: Path) -> None:
-    """A one-sentence UserError unless `output` is new, empty or an earlier export: atomic_dir replaces it whole.
-    The run directory, a folder above it and any folder holding a run's checkpoints/ are refused whatever else
-    they hold."""
+    """A one-sentence UserError unless `output` is new, empty or an earlier export that holds only the files its
+    export.json lists: atomic_dir replaces it whole. A symbolic link, the run directory, a folder above it and
+    any folder holding a run's checkpoints/ are refused whatever else they hold."""
     from lib import rundir
 
+    if output.is_symlink():
+        raise UserError(
+            f"--output-dir {output} is a symbolic link (to {output.readlink()}), which an export would replace: "
+            "give the directory it points to, or a new or empty directory."
+        )
     above_run = run_dir.resolve().is_relative_to(output.resolve())
     if above_run or (output / rundir.CHECKPOINTS).is_dir():
         raise UserError(
@@ -104,13 +112,57 @@ def check_output(output: Path, run_dir: Path) -> None:
         )
     if output.exists() and not output.is_dir():
         raise UserError(f"--output-dir {output} is a file: give a new or empty directory.")
-    held = sorted(p.name for p in output.iterdir()) if output.is_dir() else []
-    if held and rundir.EXPORT_RECORD not in held:
-        shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+    if not output.is_dir():
+        return
+    record = export_record(output)
+    if record is not None and "files" not in record:
+        raise UserError(
+            f"--output-dir {output} is an export from before {rundir.EXPORT_RECORD} listed the files export.py "
+            "wrote, so what else it holds cannot be told apart: move it away yourself, or give a new or empty "
+            "directory."
+        )
+    listed = {rundir.EXPORT_RECORD, *record["files"]} if record else set()
+    if extra := foreign(output, listed):
+        shown = ", ".join(extra[:3]) + (", ..." if len(extra) > 3 else "")
         raise UserError(
             f"--output-dir {output} holds files export.py did not write ({shown}), which an export would "
-            "replace: give a new or empty directory, or an earlier export."
+            "replace: give a new or empty directory, or an earlier export as export.py left it."
         )
+
+
+def export_record(directory: Path) -> dict | None:
+    """directory's export.json as export.py writes it ({"checkpoint", "weights", "files"}; "files" missing in an
+    export from before it was recorded), or None where there is none or someone else's file of that name."""
+    import json
+
+    from lib import rundir
+
+    path = directory / rundir.EXPORT_RECORD
+    if path.is_symlink() or not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or not {"checkpoint", "weights"} <= record.keys():
+        return None
+    files = record.get("files", [])
+    if not isinstance(files, list) or not all(isinstance(name, str) for name in files):
+        return None
+    return record
+
+
+def foreign(directory: Path, listed: set[str], prefix: str = "") -> list[str]:
+    """What `directory` holds besides the plain files `listed` names (paths relative to it) and the folders
+    holding them: each extra entry by its path, a folder by its own name alone."""
+    found = []
+    for entry in sorted(directory.iterdir()):
+        name = prefix + entry.name
+        if not entry.is_symlink() and entry.is_dir() and any(f.startswith(f"{name}/") for f in listed):
+            found += foreign(entry, listed, f"{name}/")
+        elif entry.is_symlink() or not entry.is_file() or name not in listed:
+            found.append(name)
+    return found
 
 
 if __name__ == "__main__":

@@ -14,11 +14,12 @@ in float32; on GPU, and on CPUs with native bf16 (model.autocast), the forward r
 autocast (FSDP2 on GPUs gathers bf16 parameters). LoRA adapters are merged into weights/step_N, so the
 saved model is a plain Hugging Face model.
 
-Writes under output_dir: config.toml, provenance.json (git revision, package versions), base.json (the
-model it starts from and a sha256 of its weights: a LoRA `--resume` refuses another), tb/ (loss, lr,
-grad norm, tokens/s; wandb too with --wandb.project), loss_curve.png (at each checkpoint and at the
-end), weights/step_N (servable by serve.py and vLLM) and checkpoints/step_N (trainable weights,
-optimizer, scheduler, data position, RNG; with them `--resume` continues bit for bit). Both are written to a temporary name and renamed into place.
+Writes under output_dir: run.lock (the pid that holds it: a second run there is refused), config.toml,
+provenance.json (git revision, package versions), base.json (the model it starts from and sha256s of its
+weights and config: a LoRA `--resume` refuses another), tb/ (loss, lr, grad norm, tokens/s; wandb too with
+--wandb.project), loss_curve.png (at each checkpoint and at the end), weights/step_N (servable by serve.py and
+vLLM) and checkpoints/step_N (trainable weights, optimizer, scheduler, data position, RNG; with them
+`--resume` continues bit for bit). Both are written to a temporary name and renamed into place.
 
 Usage:
     python scripts/sft.py @ configs/tiny/sft.toml                                  # CPU (after `make tiny`)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import load_script
 
+from lib import rundir
 from lib.config import UserError
 
 demo = load_script("demo")
@@ -27,14 +28,15 @@ TOY = {"model": "tiny", "sft_steps": 4, "rl_steps": 2, "eval_examples": 4, "eval
 
 
 def files(directory) -> dict:
-    """Every file under `directory`, with its modification time and content hash."""
+    """Every file under `directory`, with its modification time and content hash; not run.lock, which names the
+    process that last held its directory (each demo, run and evaluation takes it: lib/runlock.py)."""
     return {
         str(path.relative_to(directory)): (
             path.stat().st_mtime_ns,
             hashlib.sha256(path.read_bytes()).hexdigest(),
         )
         for path in sorted(directory.rglob("*"))
-        if path.is_file()
+        if path.is_file() and path.name != rundir.LOCK
     }
 
 
@@ -195,6 +197,31 @@ def test_a_rerun_with_other_settings_or_into_a_foreign_directory_is_refused(toy_
         demo.main(demo.Config(out=tmp_path, **TOY))
     assert "--out" in str(refused.value) and "rm -r" not in str(refused.value)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["mine.txt"]
+
+
+def test_a_second_demo_in_a_live_demos_out_is_refused_naming_its_pid(tmp_path):
+    # Seen (#77 item 3): two demos on one --out set each other's runs aside (both pass --resume).
+    import subprocess
+    import sys
+
+    from lib.config import write_config
+
+    cfg = demo.Config(out=tmp_path / "demo", **TOY)
+    write_config(demo.resolved(cfg), cfg.out / demo.SETTINGS)  # as the first demo left it
+    holder = "import sys; from pathlib import Path; from lib import runlock; runlock.hold(Path(sys.argv[1]))"
+    holder += "; print('holding', flush=True); sys.stdin.read()"
+    first = subprocess.Popen(
+        [sys.executable, "-c", holder, str(cfg.out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert first.stdout.readline().strip() == "holding"  # bounded: it ends with the process
+        before = sorted(p.name for p in cfg.out.iterdir())
+        with pytest.raises(UserError, match=rf"^{cfg.out} is in use by another run \(pid {first.pid} on "):
+            demo.main(cfg)
+        assert sorted(p.name for p in cfg.out.iterdir()) == before == ["demo.toml", "run.lock"]
+    finally:
+        first.stdin.close()
+        first.wait(timeout=60)
 
 
 def recording(monkeypatch, out) -> list:

@@ -509,6 +509,33 @@ def test_a_run_killed_before_its_first_checkpoint_restarts_in_its_directory(tiny
     assert set(tensorboard_scalars(out)["reward/mean"]) == {1, 2}  # the new run's steps alone
 
 
+def test_a_restart_sets_aside_everything_a_run_and_its_export_wrote(tiny_dir, tmp_path):
+    # Seen (#77 item 4): after a demo rerun, rl/exported/step_2 held the old run's weights while its export.json
+    # named the new run's checkpoint: a restart left exported/ where it was.
+    from lib import rundir
+
+    out = tmp_path / "run"
+    flags = [
+        "--steps",
+        "2",
+        "--eval.every",
+        "2",
+        "--eval.num-examples",
+        "2",
+        "--eval.rollouts-per-example",
+        "1",
+    ]
+    rl.main(parse(rl.Config, own_server_command(tiny_dir, out, *flags)[2:]))
+    export = load_script("export")
+    export.main(parse(export.Config, [str(out / "checkpoints" / "step_2")]))
+    wrote = {p.name for p in out.iterdir()}
+    assert {"server.log", "eval", "rollouts", "exported", "reward_curve.png"} <= wrote, wrote
+    moved = rundir.set_aside(out)
+    # What stays: the lock and the new run's config.toml and base.json (rewritten; copies go with the rest).
+    assert sorted(p.name for p in out.iterdir()) == ["base.json", "config.toml", "restarted", "run.lock"]
+    assert {p.name for p in moved.iterdir()} == wrote - {"run.lock", "restarted"}
+
+
 @pytest.mark.slow
 def test_wandb_keeps_every_step_tensorboard_has_across_kill_9_and_resume(tiny_dir, tmp_path):
     out = tmp_path / "run"

@@ -60,7 +60,12 @@ def test_a_directory_that_holds_no_run_is_refused_in_one_sentence_and_left_untou
     # A SLURM job writes its script into the run directory before the run: that one is taken.
     write_files(tmp_path / "job", "slurm/job.sh")
     assert open_dir(config("rl", tmp_path / "job")) is None
-    assert sorted(p.name for p in (tmp_path / "job").iterdir()) == ["base.json", "config.toml", "slurm"]
+    assert sorted(p.name for p in (tmp_path / "job").iterdir()) == [
+        "base.json",
+        "config.toml",
+        "run.lock",  # the run that holds it (lib/rundir.py hold)
+        "slurm",
+    ]
 
 
 @pytest.mark.parametrize("script", ["sft", "rl"])
@@ -99,6 +104,7 @@ def test_rl_given_an_sft_runs_directory_says_it_is_one_and_not_to_resume_it(tmp_
         "checkpoints",
         "config.toml",
         "provenance.json",
+        "run.lock",
         "weights",
     ]
 
@@ -140,6 +146,7 @@ def test_a_restart_sets_aside_what_a_run_writes_and_nothing_else(tmp_path, capsy
         "data",
         "notes.txt",
         "restarted",
+        "run.lock",  # not set aside: the new run holds it
         "slurm",
     ]
     for name in [*written, "wandb_id", "eval/step_0/reverse_text.jsonl", "reward_curve.png"]:
@@ -322,3 +329,56 @@ def test_a_folder_with_someone_elses_config_toml_or_provenance_json_is_no_run_an
     write_config(config("sft", tmp_path / "sft_run"), tmp_path / "sft_run" / "config.toml")
     assert open_dir(config("sft", tmp_path / "sft_run")) is None
     assert (tmp_path / "sft_run" / "restarted").is_dir()
+
+
+HOLDER = """
+import sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from conftest import load_script
+from lib.config import parse
+from lib.trainer.checkpoint import open_run
+sft = load_script("sft")
+run_dir = Path(sys.argv[2])
+open_run(parse(sft.Config, ["--output-dir", str(run_dir), "--resume"]), print)
+(run_dir / "tb").mkdir()
+(run_dir / "tb" / "events").write_text("the live run's")
+print("holding", flush=True)
+sys.stdin.read()  # until the test closes it
+"""
+
+
+def test_a_second_run_into_a_live_runs_directory_is_refused_with_the_holders_pid(tiny_dir, tmp_path):
+    # Seen (#77 item 3): a second `sft.py --resume` into a live run's directory moved the first run's outputs
+    # to restarted/ (no checkpoint yet), and the first died on its tensorboard file.
+    run_dir, data = tmp_path / "run", tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"prompt": "abc", "completion": "cba"}) + "\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(ROOT / "tests"), str(run_dir)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        lines = []
+        while "holding" not in lines:  # bounded: the holder's output ends when it exits
+            line = holder.stdout.readline()
+            assert line, f"the holder ended: {lines}"
+            lines.append(line.strip())
+        before = {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+        second = subprocess.run(
+            [sys.executable, str(ROOT / "scripts/sft.py"), "--model.name", str(tiny_dir), "--data.id", str(data),
+             "--output-dir", str(run_dir), "--resume", "--steps", "1"],
+            capture_output=True, text=True, env=env, timeout=300,
+        )  # fmt: skip
+        assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr[-3000:]
+        (error,) = second.stderr.strip().splitlines()
+        assert error.startswith(f"error: {run_dir} is in use by another run (pid {holder.pid}"), error
+        assert "run dir:" not in second.stdout
+        after = {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+        assert after == before and not (run_dir / "restarted").exists()
+        assert holder.poll() is None  # the live run goes on
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    # Its holder gone (however it ended: the kernel drops the lock), the directory is a run's to resume.
+    assert open_dir(config("sft", run_dir, "--resume")) is None

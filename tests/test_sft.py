@@ -3,6 +3,7 @@ bf16 autocast on CPU."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -119,6 +120,16 @@ def test_wandb_offline_logs_every_step_as_tensorboard_does_plus_curve_and_proven
     provenance = json.loads((out / "provenance.json").read_text())
     assert provenance["packages"]["torch"] == torch.__version__ and provenance["packages"]["transformers"]
     assert len(provenance["plainrl_revision"].removesuffix("-dirty")) == 40
+    # A restart sets aside all that the run, wandb and an export wrote (#77 item 4: exported/ stayed).
+    from lib import rundir
+
+    export = load_script("export")
+    export.main(parse(export.Config, [str(out / "checkpoints" / "step_4")]))
+    wrote = {p.name for p in out.iterdir()}
+    assert {"wandb", "wandb_id", "exported", "loss_curve.png"} <= wrote, wrote
+    moved = rundir.set_aside(out)
+    assert sorted(p.name for p in out.iterdir()) == ["base.json", "config.toml", "restarted", "run.lock"]
+    assert {p.name for p in moved.iterdir()} == wrote - {"run.lock"}
 
 
 def test_asking_for_wandb_without_it_installed_fails_at_parse_time_in_one_sentence(tmp_path):
@@ -480,6 +491,54 @@ def test_export_refuses_an_output_directory_it_did_not_write(tiny_dir, tmp_path,
         assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "config.toml", "metrics.jsonl"]
 
 
+def test_export_replaces_only_an_earlier_export_that_holds_nothing_else(
+    tiny_dir, data_file, tmp_path, capsys
+):
+    # Seen (#77 item 2): any folder with a file named export.json was replaced whole (thesis.tex beside it went),
+    # and so was a real earlier export with a README and a results folder added; a symlinked --output-dir got
+    # the export, then "Cannot call rmtree on a symbolic link" and a .old-link left behind.
+    from lib.config import run_main
+
+    export = load_script("export")
+    run(*flags(tiny_dir, data_file, tmp_path / "run", "--steps", "1"))
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_1"
+    outputs = tmp_path / "outputs"
+    mine, earlier, link = outputs / "mine", outputs / "earlier", outputs / "link"
+    mine.mkdir(parents=True)
+    (mine / "export.json").write_text('{"settings": 1}')
+    (mine / "thesis.tex").write_text("thesis")
+    older = outputs / "older"  # an export from before export.json listed its files: nothing tells them apart
+    older.mkdir()
+    (older / "export.json").write_text(json.dumps({"checkpoint": str(checkpoint), "weights": "full weights"}))
+    (older / "config.json").write_text("{}")
+    assert export.main(parse(export.Config, [str(checkpoint), "--output-dir", str(earlier)])) == earlier
+    link.symlink_to(earlier, target_is_directory=True)
+    (earlier / "README.md").write_text("notes")
+    (earlier / "results").mkdir()
+    (earlier / "results" / "scores.csv").write_text("1")
+
+    def files():
+        return {str(p.relative_to(outputs)): p.is_symlink() or p.read_bytes() for p in sorted(outputs.rglob("*"))
+                if p.is_file() or p.is_symlink()}  # fmt: skip
+
+    before = files()
+    refusals = [(mine, "thesis.tex"), (earlier, "README.md, results"), (link, f"to {earlier}")]
+    for output, named in [*refusals, (older, "from before export.json listed the files")]:
+        with pytest.raises(SystemExit) as exit_info:
+            run_main(export.main, parse(export.Config, [str(checkpoint), "--output-dir", str(output)]))
+        said = capsys.readouterr().err  # transformers' progress bars, then the one sentence
+        error = said.strip().splitlines()[-1]
+        assert exit_info.value.code == 2 and "Traceback" not in said, said
+        assert error.startswith(f"error: --output-dir {output} ") and named in error, error
+        assert files() == before
+        assert sorted(p.name for p in outputs.iterdir()) == ["earlier", "link", "mine", "older"]
+    # Without what was added, the earlier export is export.py's alone again: the next export replaces it.
+    (earlier / "README.md").unlink()
+    shutil.rmtree(earlier / "results")
+    assert export.main(parse(export.Config, [str(checkpoint), "--output-dir", str(earlier)])) == earlier
+    assert (mine / "thesis.tex").read_text() == "thesis"
+
+
 def rewrite_weights(model_dir) -> bytes:
     """Moves every weight of the model in `model_dir` by 0.5, in place; returns the file's bytes before."""
     from safetensors.torch import save_file
@@ -521,3 +580,34 @@ def test_a_lora_run_records_its_base_and_export_and_resume_refuse_another(tiny_d
 
     (base / "model.safetensors").write_bytes(original)  # the same weights, written again: a new file time
     assert len(run(*flags(base, data_file, out, *lora, "--steps", "2", "--resume"))["history"]) == 1
+
+
+def test_a_lora_runs_base_record_covers_its_config_and_an_older_record_its_weights_alone(
+    tiny_dir, data_file, tmp_path
+):
+    # Seen (#77 item 10): base.json hashed the safetensors only: a base whose config.json changed (rms_norm_eps
+    # 0.5) after a LoRA run passed export.py and --resume, and the adapters sat on another function.
+    export = load_script("export")
+    base, out = tmp_path / "base", tmp_path / "run"
+    shutil.copytree(tiny_dir, base)
+    lora = ["--lora.rank", "4", "--lora.alpha", "8"]
+    run(*flags(base, data_file, out, *lora, "--steps", "1"))
+    checkpoint = out / "checkpoints" / "step_1"
+    original = (base / "config.json").read_text()
+    (base / "config.json").write_text(json.dumps({**json.loads(original), "rms_norm_eps": 0.5}))
+    with pytest.raises(ValueError) as refused:
+        export.main(parse(export.Config, [str(checkpoint)]))
+    message = str(refused.value)
+    assert message.startswith(f"export: {out} trained its LoRA adapters on {base}") and "\n" not in message
+    assert f"{base} now holds another config.json or tokenizer" in message, message
+    with pytest.raises(ValueError, match=f"--resume: {out} trained its LoRA adapters on {base}"):
+        run(*flags(base, data_file, out, *lora, "--steps", "2", "--resume"))
+    assert not (out / "exported").exists() and not (out / "checkpoints" / "step_2").exists()
+    # A base.json from before it recorded the config: the config is unknown, the weights are still checked.
+    record = json.loads((out / "base.json").read_text())
+    del record["config_sha256"]
+    (out / "base.json").write_text(json.dumps(record))
+    assert export.main(parse(export.Config, [str(checkpoint)])) == out / "exported" / "step_1"
+    rewrite_weights(base)
+    with pytest.raises(ValueError, match=f"{base} now holds other weights"):
+        export.main(parse(export.Config, [str(checkpoint)]))

@@ -14,7 +14,7 @@ import re
 import shutil
 from pathlib import Path
 
-from lib import dist, rundir
+from lib import dist, rundir, runlock
 from lib.config import UserError
 from lib.provenance import check_base, file_sha256, write_base
 
@@ -78,13 +78,11 @@ def open_run(cfg, say) -> Path | None:
 
 
 def claim(cfg, say) -> Path | None:
-    """open_run's work, on rank 0. Refuses a non-empty directory that is no run's (rundir.is_run_dir),
-    checkpoints without cfg.resume, and checkpoints none of which is usable. Without a checkpoint the run starts over: what an
-    earlier run wrote moves to restarted/<time>/ (set_aside), config.toml and base.json are written. A resume
-    keeps them, refuses LoRA adapters a base model that changed since (check_base) and records what its config
-    changes (record_changes)."""
-    from lib.config import write_config
-
+    """open_run's work, on rank 0. Refuses a non-empty directory that is no run's (rundir.is_run_dir), one
+    another process holds (lib/runlock.py), checkpoints without cfg.resume, and checkpoints none of which is
+    usable. Without a checkpoint the run starts over: what an earlier run wrote moves to restarted/<time>/
+    (set_aside), config.toml and base.json are written. A resume keeps them, refuses LoRA adapters a base model
+    that changed since (check_base) and records what its config changes (record_changes)."""
     run_dir = cfg.output_dir
     if other := rundir.other_script(
         run_dir, type(cfg)
@@ -97,6 +95,22 @@ def claim(cfg, say) -> Path | None:
                 f"{run_dir} holds other files ({shown}) and no run of this script (no config.toml or "
                 "provenance.json that plainrl wrote for it): give --output-dir a new or empty directory."
             )
+    # One run at a time from here on, before anything is read that a live run may be writing, or moved.
+    created = not os.path.lexists(run_dir / rundir.LOCK)
+    took = runlock.hold(run_dir)
+    try:
+        return start_or_resume(cfg, say)
+    except UserError:  # a refused run leaves the directory as it found it
+        if took:
+            runlock.release(run_dir, remove=created)
+        raise
+
+
+def start_or_resume(cfg, say) -> Path | None:
+    """claim's work once the directory is this process's: the checkpoint to resume from, or a start at step 0."""
+    from lib.config import write_config
+
+    run_dir = cfg.output_dir
     found = step_dirs(run_dir / rundir.CHECKPOINTS)
     if found and not cfg.resume:
         raise UserError(
