@@ -257,6 +257,10 @@ def run_vllm_cli() -> None:
     importlib.metadata.version = version
     from vllm.entrypoints.cli.main import main
 
+    from lib.inference.weights.vllm_transfer import register
+
+    register()  # as the vllm.general_plugins entry point does, for a checkout that is not installed
+
     sys.argv[0] = "vllm"
     main()
 
