@@ -1,10 +1,13 @@
 """Nothing a local run starts listens beyond loopback: every TCP socket that rl.py (either engine, weights sent
 in memory) or a data-parallel vLLM head listens on, in any of its processes, is bound to a loopback address.
-Neither the servers' admin routes nor torch.distributed's stores and gloo's pairs check who connects."""
+Neither the servers' admin routes nor torch.distributed's stores and gloo's pairs check who connects. torch's
+TCPStore listens on every interface unless handed a socket, gloo on the address the host name resolves to."""
 
 import contextlib
 import ipaddress
 import os
+import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -24,7 +27,7 @@ def listeners(root: psutil.Process) -> set[tuple[str, int, str]]:
     found = set()
     for process in [root, *root.children(recursive=True)]:
         with contextlib.suppress(psutil.NoSuchProcess, psutil.ZombieProcess):
-            command = " ".join(process.cmdline())[:160]
+            command = " ".join(process.cmdline()).strip()[:160]
             for connection in process.net_connections("tcp"):
                 if connection.status == psutil.CONN_LISTEN:
                     found.add((connection.laddr.ip, connection.laddr.port, command))
@@ -157,3 +160,47 @@ def test_vllms_stores_listen_on_their_loopback_host_alone(vllm_installed):
         client = create("127.0.0.1", store.port, is_master=False, wait_for_workers=False)
         client.set("key", "value")  # the store works as before
         assert store.get("key") == b"value"
+
+
+def network_address() -> str | None:
+    """One of this machine's IPv4 addresses beyond loopback, None if it has none."""
+    for addresses in psutil.net_if_addrs().values():
+        for address in addresses:
+            if address.family == socket.AF_INET and not is_loopback(address.address):
+                return address.address
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="names the host in a namespace")
+def test_a_vllm_server_on_loopback_keeps_gloo_there_where_the_host_name_is_a_network_address(
+    vllm_installed, tiny_dir, tmp_path
+):
+    """gloo's default listener binds the address this machine's name resolves to (torch 2.13), beyond
+    loopback on many machines, and vLLM's CPU build joins every group of its engine over gloo. The server
+    runs in a namespace whose host name is this machine's network address."""
+    address = network_address()
+    if address is None:
+        pytest.skip("this machine has no network address beyond loopback")
+    port = launch.free_port()
+    command = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', address, sys.executable]
+    command += [str(ROOT / "scripts/serve.py"), "--model.name", str(tiny_dir), "--port", str(port)]
+    command += ["--engine", "vllm", "--model.dtype", "float32", "--max-model-len", "256"]
+    command += ["--vllm.cpu-kv-cache-gib", "1", "--vllm.weight-transfer-backend", "plainrl_gloo"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    url, log_path = f"http://127.0.0.1:{port}/v1", tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    started = []
+    try:
+        seen = watch(server, lambda: is_healthy(url), 600, log_path.read_text)
+        assert server.poll() is None, log_path.read_text()[-3000:]
+        seen |= listeners(psutil.Process(server.pid))
+        started = psutil.Process(server.pid).children(recursive=True)
+    finally:
+        launch.Server(server, url, log_path).stop(timeout=60)
+        for process in psutil.wait_procs(started, timeout=60)[1]:
+            process.kill()
+    assert len({p for _, p, command in seen if "VLLM" in command}) >= 1, sorted(seen)  # the engine's gloo
+    assert not outside(seen), outside(seen)
