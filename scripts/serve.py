@@ -207,8 +207,8 @@ def main(cfg: Config) -> None:
             cpu_kv_cache_bytes=kv_cache_bytes,
             max_num_seqs=max_num_seqs,
         )
-        env = vllm_environment(api_key, cfg.vllm, lora=cfg.max_lora_rank > 0)
-        shown = {k: v for k, v in env.items() if k.startswith("VLLM_") and k != "VLLM_API_KEY"}
+        env = vllm_environment(api_key, cfg.vllm, lora=cfg.max_lora_rank > 0, host=cfg.host)
+        shown = {k: v for k, v in env.items() if k.startswith(("VLLM_", "GLOO_")) and k != "VLLM_API_KEY"}
         log.info("%s %s", " ".join(f"{k}={v}" for k, v in shown.items()), shlex.join(command))
         exec_vllm(command, env)
         return

@@ -164,6 +164,7 @@ LONGEST_FIRST = [
     "test_eval.py",
     "test_qwen_vllm.py",
     "test_vllm_rl.py",
+    "test_listeners.py",
     "test_server_failures.py",
     "test_transfer.py",
     "test_slurm.py",

@@ -91,6 +91,30 @@ def test_environment_turns_on_dev_routes_and_carries_the_key_out_of_the_process_
     assert not any("secret" in part for part in command(VllmConfig()))
 
 
+def test_a_server_on_loopback_with_every_engine_here_keeps_gloo_on_the_loopback_interface():
+    import socket
+
+    import psutil
+
+    loopback = next(
+        name
+        for name, addresses in psutil.net_if_addrs().items()
+        if any(a.family == socket.AF_INET and a.address.startswith("127.") for a in addresses)
+    )
+    for host in ("127.0.0.1", "localhost", "::1"):
+        assert vllm_environment(None, VllmConfig(), base={}, host=host)["GLOO_SOCKET_IFNAME"] == loopback
+    two_here = VllmConfig(data_parallel_size=2, data_parallel_address="127.0.0.1")
+    assert vllm_environment(None, two_here, base={}, host="127.0.0.1")["GLOO_SOCKET_IFNAME"] == loopback
+    # Engines that may be elsewhere, or a choice of the user's: gloo left as torch or the user sets it.
+    nodes = VllmConfig(data_parallel_size=2, data_parallel_address="10.0.0.1")
+    elsewhere = [("0.0.0.0", VllmConfig()), ("127.0.0.1", nodes)]
+    elsewhere += [("127.0.0.1", VllmConfig(extra_args=["--nnodes", "2"]))]
+    for host, config in elsewhere:
+        assert "GLOO_SOCKET_IFNAME" not in vllm_environment(None, config, base={}, host=host)
+    own = vllm_environment(None, VllmConfig(), base={"GLOO_SOCKET_IFNAME": "eth1"}, host="127.0.0.1")
+    assert own["GLOO_SOCKET_IFNAME"] == "eth1"
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [

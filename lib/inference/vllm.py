@@ -15,6 +15,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -204,9 +205,11 @@ def vllm_environment(
     config: VllmConfig | None = None,
     base: dict[str, str] | None = None,
     lora: bool = False,
+    host: str | None = None,
 ) -> dict[str, str]:
     """The environment `vllm serve` runs in: dev-mode routes on, runtime LoRA loading if `lora`, the API
-    key if any, the CPU build's KV cache."""
+    key if any, the CPU build's KV cache, and for a server on `host` with every engine here (all_here), gloo
+    on the loopback interface."""
     env = dict(os.environ if base is None else base)
     env["VLLM_SERVER_DEV_MODE"] = "1"
     if lora:
@@ -217,7 +220,32 @@ def vllm_environment(
         # Read like --api-key, but absent from the process list. vLLM checks it on /v1 and /inference only:
         # its dev routes stay open, so the server binds 127.0.0.1 unless told otherwise.
         env["VLLM_API_KEY"] = api_key
+    interface = loopback_interface() if host is not None and all_here(host, config or VllmConfig()) else None
+    if interface:
+        # gloo's default listener binds the address this machine's name resolves to (torch 2.13), beyond
+        # loopback on many machines, and vLLM's CPU build joins every group of its engines over gloo.
+        env.setdefault("GLOO_SOCKET_IFNAME", interface)
     return env
+
+
+def all_here(host: str, config: VllmConfig) -> bool:
+    """Whether a server on `host` has every peer its engines could talk to on this machine's loopback: its
+    API on loopback (so is the trainer: lib/inference/weights/transfer.py rendezvous_address), its data
+    parallel head too, and no nodes of vLLM's own (--nnodes)."""
+    from lib.inference.weights.group import is_loopback
+
+    head = config.data_parallel_address
+    return is_loopback(host) and (head is None or is_loopback(head)) and "--nnodes" not in config.extra_args
+
+
+def loopback_interface() -> str | None:
+    """The name of this machine's loopback network interface (lo on Linux), None when none is found."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address.startswith("127.") for a in addresses):
+            return name
+    return None
 
 
 def exec_vllm(command: list[str], env: dict[str, str]) -> None:
@@ -256,6 +284,10 @@ def run_vllm_cli() -> None:
 
     importlib.metadata.version = version
     from vllm.entrypoints.cli.main import main
+
+    from lib.inference.weights.vllm_transfer import register
+
+    register()  # as the vllm.general_plugins entry point does, for a checkout that is not installed
 
     sys.argv[0] = "vllm"
     main()

@@ -22,6 +22,13 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket listening at host:port alone (port 0: a free one), for a TCPStore's server to take over: torch's
+    own listens on every interface, whatever host it is given (torch 2.13)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family)
+
+
 def join(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float = TIMEOUT_S):
     """This process's member of a group of `world_size` formed at host:port (rank 0 listens there, on that
     address alone when it is loopback); its collectives fail after `timeout_s`. backend: gloo or nccl."""
@@ -32,8 +39,7 @@ def join(host: str, port: int, rank: int, world_size: int, backend: str, timeout
     # for the whole run: with every member on this machine's loopback, both listen there alone.
     loopback, listener = is_loopback(host), None
     if rank == 0 and loopback:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        listener = socket.create_server((host, port), family=family).detach()  # the store closes it
+        listener = listening_socket(host, port).detach()  # the store closes it
     store = td.TCPStore(
         host, port, world_size, is_master=rank == 0, timeout=timeout, master_listen_fd=listener
     )

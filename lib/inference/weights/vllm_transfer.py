@@ -2,11 +2,13 @@
 0.32 has none for CPUs (its nccl engine's broadcast does nothing on the CPU build), so the trainer's broadcast
 (lib/inference/weights/transfer.py) reaches each worker over gloo, loaded as vLLM's own engines load checkpoint-format weights.
 
-Imported only inside vLLM's processes: by its `vllm.general_plugins` entry point (pyproject.toml), and by
-lib/inference/weights/vllm_worker.py when vLLM loads the worker extension, so a checkout that is not installed registers it
-too."""
+Its registration also keeps vLLM's TCP stores on loopback when their host is (loopback_stores). Imported
+only inside vLLM's processes: by its `vllm.general_plugins` entry point (pyproject.toml), and, so that a
+checkout that is not installed registers it too, by lib/inference/vllm.py as it starts vLLM's command line
+and by lib/inference/weights/vllm_worker.py when vLLM loads the worker extension."""
 
 import dataclasses
+import functools
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -101,11 +103,35 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             )
 
 
+def loopback_stores(create_tcp_store):
+    """vLLM's create_tcp_store, whose server listens on the host it is given alone when that is loopback.
+    vLLM's data-parallel head makes its coordination and world-group stores on data_parallel_master_ip
+    (127.0.0.1 unless told otherwise) with no socket of its own, and torch's TCPStore then listens on every
+    interface: a store anyone on the network could write to."""
+
+    @functools.wraps(create_tcp_store)
+    def create(host: str, port: int, listen_socket=None, **kwargs):
+        if listen_socket is None and kwargs.get("is_master") and group.is_loopback(host):
+            listen_socket = group.listening_socket(host, port)
+            port = listen_socket.getsockname()[1]  # port 0 asks for a free one; the store must be told which
+        return create_tcp_store(host, port, listen_socket=listen_socket, **kwargs)
+
+    create.loopback = True
+    return create
+
+
 def register() -> None:
-    """The `vllm.general_plugins` entry point: vLLM runs it in each of its processes (once is enough)."""
+    """The `vllm.general_plugins` entry point: vLLM runs it in each of its processes (once is enough). It
+    registers the engine, and keeps vLLM's TCP stores on loopback when their host is (loopback_stores)."""
+    import vllm.distributed.parallel_state as parallel_state
+    import vllm.distributed.utils as distributed_utils
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     if NAME not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
             NAME, "lib.inference.weights.vllm_transfer", "GlooWeightTransferEngine"
         )
+    if not getattr(distributed_utils.create_tcp_store, "loopback", False):
+        # parallel_state imported the function by name when it loaded, before any plugin ran.
+        patched = loopback_stores(distributed_utils.create_tcp_store)
+        distributed_utils.create_tcp_store = parallel_state.create_tcp_store = patched
