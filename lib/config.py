@@ -27,7 +27,7 @@ import tomli_w
 import tyro
 
 from lib import rundir
-from lib.foreign import leaves, plainrl_flag, plainrl_name, unknown_keys
+from lib.foreign import dataclass_type, leaves, plainrl_flag, plainrl_name, unknown_keys
 
 # What a file or wandb gets in place of an API key.
 REDACTED = "<redacted>"
@@ -161,16 +161,6 @@ def load_presets(files: list[Path], config_class: type | None = None) -> dict:
     return merged
 
 
-def _dataclass_type(annotation) -> type | None:
-    """The dataclass behind an annotation such as `ModelConfig` or `ModelConfig | None`, else None."""
-    if dataclasses.is_dataclass(annotation):
-        return annotation
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        inner = [a for a in typing.get_args(annotation) if dataclasses.is_dataclass(a)]
-        return inner[0] if inner else None
-    return None
-
-
 def _is_bool(annotation) -> bool:
     return annotation is bool or (
         typing.get_origin(annotation) in (typing.Union, types.UnionType)
@@ -205,7 +195,7 @@ def _table_flags(config_class: type, table: dict, prefix: str, unknown: dict[str
             unknown.update((path, list(fields)) for path in leaves(value, prefix + name))
             continue
         annotation = fields[name]
-        nested = _dataclass_type(annotation)
+        nested = dataclass_type(annotation)
         if nested is not None:
             if not isinstance(value, dict):
                 if not prefix and plainrl_name(config_class, name) is not None:

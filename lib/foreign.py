@@ -8,12 +8,12 @@ import typing
 
 GUIDE = "docs/coming-from.md"
 
-# Their name -> (the plainrl field it becomes, or None; what to write instead). A name is a key, or the end
+# Their name -> the plainrl field it becomes, or (that field, or None; what to write instead). A name is a key, or the end
 # of a dotted path (RLTrainer's trainer.args.learning_rate ends in learning_rate), or a table whose every key
 # has one answer (inference.args). The field is checked against the script's config: sft.py has its own
 # batch_size, eval.py no optimizer. What is not here but is one of plainrl's names under another table
 # (prime-rl's trainer.optim.lr is optim.lr) is found by its end (plainrl_name).
-FOREIGN: dict[str, tuple[str | None, str]] = {
+FOREIGN: dict[str, str | tuple[str | None, str]] = {
     # verifiers' RLTrainer: vf-rl's one TOML (model, [env], [inference], [trainer.args])
     "model": ("model.name", "model.name, a table: [model] name = ..."),
     "inference.gpus": (
@@ -31,15 +31,15 @@ FOREIGN: dict[str, tuple[str | None, str]] = {
         "lora.rank",
         "lora.rank; 0, the default, trains every weight, where RLTrainer's LoRA is rank 8",
     ),
-    "lora_rank": ("lora.rank", "lora.rank"),
-    "lora_r": ("lora.rank", "lora.rank"),
-    "lora_alpha": ("lora.alpha", "lora.alpha"),
-    "lora_dropout": ("lora.dropout", "lora.dropout"),
-    "lora_target_modules": ("lora.target_modules", "lora.target_modules"),
-    "learning_rate": ("optim.lr", "optim.lr"),
+    "lora_rank": "lora.rank",
+    "lora_r": "lora.rank",
+    "lora_alpha": "lora.alpha",
+    "lora_dropout": "lora.dropout",
+    "lora_target_modules": "lora.target_modules",
+    "learning_rate": "optim.lr",
     "lr_scheduler_type": ("optim.schedule", "optim.schedule: constant, linear or cosine"),
     "warmup_ratio": ("optim.warmup_steps", "optim.warmup_steps, in steps"),
-    "max_norm": ("optim.max_grad_norm", "optim.max_grad_norm"),
+    "max_norm": "optim.max_grad_norm",
     "micro_batch_size": (
         "micro_batch_size",
         "micro_batch_size; rl.py's counts packed rows of seq_len tokens, not rollouts",
@@ -48,31 +48,31 @@ FOREIGN: dict[str, tuple[str | None, str]] = {
         "examples_per_step",
         "examples_per_step x rollouts_per_example; a batch_size counts rollouts: 128 = 8 x 16",
     ),
-    "max_steps": ("steps", "steps"),
-    "max_seq_len": ("seq_len", "seq_len"),
+    "max_steps": "steps",
+    "max_seq_len": "seq_len",
     "max_prompt_len": ("seq_len", "seq_len, prompt and completion together"),
-    "gradient_checkpointing": ("activation_checkpointing", "activation_checkpointing"),
+    "gradient_checkpointing": "activation_checkpointing",
     "report_to": ("wandb.project", "wandb.project; tensorboard logs always"),
-    "save_steps": ("checkpoint_every", "checkpoint_every"),
-    "num_batches_ahead": ("max_async_level", "max_async_level"),
-    "async_level": ("max_async_level", "max_async_level"),
+    "save_steps": "checkpoint_every",
+    "num_batches_ahead": "max_async_level",
+    "async_level": "max_async_level",
     "scale_rewards": ("advantage.normalize", "advantage.normalize: none, group or step"),
-    "importance_sampling_level": ("loss.ratio_level", "loss.ratio_level"),
-    "mask_truncated_completions": ("loss.mask_truncated", "loss.mask_truncated"),
+    "importance_sampling_level": "loss.ratio_level",
+    "mask_truncated_completions": "loss.mask_truncated",
     "loss_type": ("loss.aggregation", "loss.aggregation, and the recipes in configs/recipes/"),
     "epsilon": ("loss.clip_low", "loss.clip_low, with loss.variant ppo"),
-    "epsilon_high": ("loss.clip_high", "loss.clip_high"),
-    "bf16": ("model.dtype", "model.dtype"),
+    "epsilon_high": "loss.clip_high",
+    "bf16": "model.dtype",
     # prime-rl: rl's one TOML ([model], [orchestrator], [trainer], [inference]), sft, inference
-    "interval": ("checkpoint_every", "checkpoint_every"),
-    "data.name": ("data.id", "data.id"),
+    "interval": "checkpoint_every",
+    "data.name": "data.id",
     "inference_gpu_ids": (None, "CUDA_VISIBLE_DEVICES of scripts/serve.py, then inference.urls"),
     "trainer_gpu_ids": (None, "CUDA_VISIBLE_DEVICES of rl.py"),
-    "tp": ("vllm.tensor_parallel_size", "vllm.tensor_parallel_size"),
-    "dp": ("vllm.data_parallel_size", "vllm.data_parallel_size"),
+    "tp": "vllm.tensor_parallel_size",
+    "dp": "vllm.data_parallel_size",
     "args": ("env.args", "env.args, a JSON string: args = '{\"min_turns\": 3}'"),
     # TRL's GRPOConfig
-    "num_generations": ("rollouts_per_example", "rollouts_per_example"),
+    "num_generations": "rollouts_per_example",
     "per_device_train_batch_size": (
         "micro_batch_size",
         "micro_batch_size; rl.py's counts packed rows of seq_len tokens, not rollouts",
@@ -82,18 +82,28 @@ FOREIGN: dict[str, tuple[str | None, str]] = {
         "none: a step trains on all of examples_per_step x rollouts_per_example, micro_batch_size rows at a time",
     ),
     "generation_batch_size": ("examples_per_step", "examples_per_step x rollouts_per_example"),
-    "max_completion_length": ("sampling.max_tokens", "sampling.max_tokens"),
+    "max_completion_length": "sampling.max_tokens",
     "max_prompt_length": ("seq_len", "seq_len, prompt and completion together"),
-    "num_train_epochs": ("steps", "steps"),
-    "beta": ("loss.kl_coef", "loss.kl_coef"),
-    "model_name_or_path": ("model.name", "model.name"),
-    "use_vllm": ("inference.engine", "inference.engine"),
-    "vllm_server_base_url": ("inference.urls", "inference.urls"),
-    "vllm_gpu_memory_utilization": ("inference.gpu_memory_utilization", "inference.gpu_memory_utilization"),
+    "num_train_epochs": "steps",
+    "beta": "loss.kl_coef",
+    "model_name_or_path": "model.name",
+    "use_vllm": "inference.engine",
+    "vllm_server_base_url": "inference.urls",
+    "vllm_gpu_memory_utilization": "inference.gpu_memory_utilization",
     # vf-eval
     "api_base_url": ("base_url", "base_url, -b"),
     "sampling_args": ("sampling.temperature", "sampling.temperature, sampling.top_p, ... one flag each"),
 }
+
+
+def dataclass_type(annotation) -> type | None:
+    """The dataclass behind an annotation such as `ModelConfig` or `ModelConfig | None`, else None."""
+    if dataclasses.is_dataclass(annotation):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(annotation) if dataclasses.is_dataclass(a)]
+        return inner[0] if inner else None
+    return None
 
 
 def field_paths(config_class: type, prefix: str = "") -> list[str]:
@@ -103,13 +113,9 @@ def field_paths(config_class: type, prefix: str = "") -> list[str]:
     for field in dataclasses.fields(config_class):
         if not field.init:
             continue
-        annotation = hints[field.name]
-        if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-            annotation = next(
-                (a for a in typing.get_args(annotation) if dataclasses.is_dataclass(a)), annotation
-            )
-        if dataclasses.is_dataclass(annotation):
-            paths += field_paths(annotation, f"{prefix}{field.name}.")
+        nested = dataclass_type(hints[field.name])
+        if nested is not None:
+            paths += field_paths(nested, f"{prefix}{field.name}.")
         else:
             paths.append(prefix + field.name)
     return paths
@@ -124,7 +130,7 @@ def plainrl_name(config_class: type, path: str) -> tuple[str | None, str] | None
     parents = [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
     for name in ends + parents:
         if name in FOREIGN:
-            field, text = FOREIGN[name]
+            field, text = (FOREIGN[name],) * 2 if isinstance(FOREIGN[name], str) else FOREIGN[name]
             if field is None or field in fields or any(f.startswith(field + ".") for f in fields):
                 return field, text
     for end in ends:  # the same name under another table: trainer.optim.lr is optim.lr

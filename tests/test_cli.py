@@ -15,7 +15,7 @@ from pathlib import Path
 
 from conftest import ROOT, load_script
 
-from lib.config import _dataclass_type
+from lib.foreign import dataclass_type
 
 SCRIPTS = ["tiny", "sft", "serve", "eval", "rl", "demo", "export"]
 FROZEN = ROOT / "tests" / "fixtures" / "cli.txt"
@@ -35,7 +35,7 @@ def flags(config_class: type, prefix: str = "") -> list[str]:
         if not field.init:
             continue
         name = f"{prefix}{field.name.replace('_', '-')}"
-        nested = _dataclass_type(hints[field.name])
+        nested = dataclass_type(hints[field.name])
         if nested is not None:
             lines += flags(nested, f"{name}.")
             continue
