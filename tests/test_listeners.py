@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -103,6 +104,26 @@ def test_a_local_run_on_vllm_listens_on_loopback_alone(vllm_installed, tiny_dir,
     assert not outside(seen), outside(seen)
 
 
+def serve_and_watch(command: list[str], env: dict, port: int, log_path: Path) -> set:
+    """Starts a server, collects its process tree's listeners until it answers on `port`, and stops it."""
+    url = f"http://127.0.0.1:{port}/v1"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    started = []
+    try:
+        seen = watch(server, lambda: is_healthy(url), 600, log_path.read_text)
+        assert server.poll() is None, log_path.read_text()[-3000:]
+        seen |= listeners(psutil.Process(server.pid))
+        started = psutil.Process(server.pid).children(recursive=True)
+    finally:
+        launch.Server(server, url, log_path).stop(timeout=60)
+        for process in psutil.wait_procs(started, timeout=60)[1]:  # vLLM stops its engines on SIGTERM
+            process.kill()
+    return seen
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_a_data_parallel_vllm_head_listens_on_loopback_alone(vllm_installed, tiny_dir, tmp_path):
@@ -119,21 +140,7 @@ def test_a_data_parallel_vllm_head_listens_on_loopback_alone(vllm_installed, tin
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
-    url, log_path = f"http://127.0.0.1:{port}/v1", tmp_path / "serve.log"
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    started = []
-    try:
-        seen = watch(server, lambda: is_healthy(url), 600, log_path.read_text)
-        assert server.poll() is None, log_path.read_text()[-3000:]
-        seen |= listeners(psutil.Process(server.pid))
-        started = psutil.Process(server.pid).children(recursive=True)
-    finally:
-        launch.Server(server, url, log_path).stop(timeout=60)
-        for process in psutil.wait_procs(started, timeout=60)[1]:  # vLLM stops its engines on SIGTERM
-            process.kill()
+    seen = serve_and_watch(command, env, port, tmp_path / "serve.log")
     head = {p for _, p, command in seen if "lib.inference.vllm serve" in command}
     assert port in head and len(head) >= 2, sorted(seen)  # its routes and the engines' coordination store
     assert not outside(seen), outside(seen)
@@ -189,18 +196,6 @@ def test_a_vllm_server_on_loopback_keeps_gloo_there_where_the_host_name_is_a_net
     command += ["--engine", "vllm", "--model.dtype", "float32", "--max-model-len", "256"]
     command += ["--vllm.cpu-kv-cache-gib", "1", "--vllm.weight-transfer-backend", "plainrl_gloo"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    url, log_path = f"http://127.0.0.1:{port}/v1", tmp_path / "serve.log"
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    started = []
-    try:
-        seen = watch(server, lambda: is_healthy(url), 600, log_path.read_text)
-        assert server.poll() is None, log_path.read_text()[-3000:]
-        seen |= listeners(psutil.Process(server.pid))
-        started = psutil.Process(server.pid).children(recursive=True)
-    finally:
-        launch.Server(server, url, log_path).stop(timeout=60)
-        for process in psutil.wait_procs(started, timeout=60)[1]:
-            process.kill()
+    seen = serve_and_watch(command, env, port, tmp_path / "serve.log")
     assert len({p for _, p, command in seen if "VLLM" in command}) >= 1, sorted(seen)  # the engine's gloo
     assert not outside(seen), outside(seen)
