@@ -265,7 +265,9 @@ def check_linear_layers(tiny_dir, tmp_path, caplog, dtype: str, packs: bool, sai
         assert engine.prepacked == packs
         layers = [m for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
         assert all(hasattr(m, "packed") == packs for m in layers)
-        assert [r.message for r in caplog.records if "linear layers" in r.message] == [f"linear layers: {said}"]
+        assert [r.message for r in caplog.records if "linear layers" in r.message] == [
+            f"linear layers: {said}"
+        ]
         ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])
         with torch.inference_mode():
             same(engine.model(ids).logits, plain(ids).logits)
