@@ -113,6 +113,44 @@ def test_a_wait_pause_after_a_keep_pause_lets_the_held_sequence_finish(tiny_dir)
     engine.close()
 
 
+def test_waiting_sequences_join_a_running_batch_together_or_after_a_few_steps(tiny_dir):
+    # Each join prefills the newcomers and lays the whole KV cache out again: one newcomer beside 16 running
+    # rows waits up to ADMIT_AFTER_STEPS decode steps for others, a quarter of the rows' worth joins at once.
+    from lib.inference.server import engine as engine_module
+
+    engine = Engine(ModelConfig(name=str(tiny_dir), device="cpu"))
+    steps = []  # (rows running, newcomers) of each step
+    real_step = engine.decoder.step
+
+    def step(batch, new, label):
+        steps.append((len(batch.seqs) if batch else 0, len(new)))
+        return real_step(batch, new, label)
+
+    engine.decoder.step = step
+    try:
+        running = [
+            engine.submit([5 + i, 6], SamplingParams(max_tokens=300, ignore_eos=True)) for i in range(16)
+        ]
+        deadline = time.monotonic() + 60
+        while not steps:
+            assert time.monotonic() < deadline, "the batch did not start in 60 s"
+            time.sleep(0.01)
+        short = SamplingParams(max_tokens=2, ignore_eos=True)
+        for newcomers, waits in ((1, getattr(engine_module, "ADMIT_AFTER_STEPS", 8)), (4, 0)):
+            engine.pause("keep")  # between two steps: the newcomers are all waiting when it resumes
+            futures = [engine.submit([7, 8, 9], short) for _ in range(newcomers)]
+            resumed = len(steps)
+            engine.resume()
+            for future in futures:
+                assert len(future.result(timeout=60)[0].token_ids) == 2
+            after = steps[resumed:]
+            joined = next(i for i, (_, new) in enumerate(after) if new)
+            assert (joined, after[joined]) == (waits, (16, newcomers)), after[: joined + 1]
+        assert all(len(f.result(timeout=120)[0].token_ids) == 300 for f in running)
+    finally:
+        engine.close()
+
+
 def test_a_decode_step_returns_the_finished_rows_and_keeps_the_others(tiny_dir):
     from lib.inference.server.decode import Decoder, Sequence
     from lib.models.load import load_model
