@@ -51,7 +51,8 @@ LAUNCH := $(VENV)/bin/torchrun --nnodes $(NNODES) --node-rank $(NODE_RANK) --npr
 	--rdzv-endpoint $(RDZV_ENDPOINT) --shutdown-timeout 600
 endif
 EVAL_ENV := $(if $(filter tiny smollm2,$(ENV)),reverse_text,$(if $(filter tiny_calculator,$(ENV)),plainrl_calculator,$(if \
-	$(filter smollm2_arithmetic smollm2_two_digit,$(ENV)),plainrl_arithmetic,$(ENV))))#  the CPU presets' environments
+	$(filter smollm2_arithmetic smollm2_two_digit,$(ENV)),plainrl_arithmetic,$(if \
+	$(filter reasoning_gym,$(ENV)),plainrl_reasoning_gym,$(ENV)))))#  the CPU presets' environments
 # eval.py takes one environment: ENV=mix evaluates each of the mixture's in turn.
 EVAL_ENVS := $(if $(filter mix,$(ENV)),reverse_text alphabet_sort plainrl_calculator,$(EVAL_ENV))
 MODEL_FLAG := $(if $(MODEL),--model.name $(MODEL))
@@ -127,14 +128,14 @@ demo-arithmetic: setup-smollm2  ## RL with no SFT: SmolLM2-135M-Instruct on sums
 demo-tiny: setup  ## the same with the 0.16M-parameter toy model (~10 min on 2 cores) [ARGS="--out DIR"]
 	$(strip $(PY) scripts/demo.py --model tiny $(ARGS))
 
-sft: setup  ## supervised warm-up: make sft ENV=reverse_text|tiny|smollm2|smollm2_two_digit|tiny_calculator|mix [NPROC=8] [MODEL=...]
+sft: setup  ## supervised warm-up: make sft ENV=reverse_text|tiny|smollm2|smollm2_two_digit|reasoning_gym|tiny_calculator|mix [NPROC=8] [MODEL=...]
 	$(strip $(LAUNCH) scripts/sft.py @ $(call preset,sft) $(MODEL_FLAG) $(OUT_FLAG)) $(ARGS)
 
-rl: setup  ## RL: make rl ENV=reverse_text|alphabet_sort|tiny|smollm2|smollm2_two_digit|smollm2_arithmetic|tiny_calculator|mix [INFERENCE_URL=...] [NPROC=...]
+rl: setup  ## RL: make rl ENV=reverse_text|alphabet_sort|tiny|smollm2|smollm2_two_digit|smollm2_arithmetic|reasoning_gym|tiny_calculator|mix [INFERENCE_URL=...] [NPROC=...]
 	$(strip $(LAUNCH) scripts/rl.py @ $(call preset,rl) $(MODEL_FLAG) $(OUT_FLAG) \
 		$(if $(INFERENCE_URL),--inference.urls $(INFERENCE_URL))) $(ARGS)
 
-eval: setup  ## evaluate: make eval ENV=reverse_text|alphabet_sort|tiny|smollm2|smollm2_two_digit|smollm2_arithmetic|tiny_calculator|mix MODEL=... [BASE_URL=...] [N=100 R=4]
+eval: setup  ## evaluate: make eval ENV=reverse_text|alphabet_sort|tiny|smollm2|smollm2_two_digit|smollm2_arithmetic|reasoning_gym|tiny_calculator|mix MODEL=... [BASE_URL=...] [N=100 R=4]
 	$(foreach e,$(EVAL_ENVS),$(if $(filter-out $(firstword $(EVAL_ENVS)),$(e)),&&) $(strip $(PY) \
 		scripts/eval.py $(e) @ $(call preset,eval) $(MODEL_FLAG) $(if $(N),-n $(N)) $(if $(R),-r $(R)) \
 		$(if $(BASE_URL),-b $(BASE_URL))) $(ARGS))

@@ -6,6 +6,7 @@ import functools
 import importlib.util
 import json
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,6 +14,9 @@ from lib.config import parse, to_dict, write_atomically
 from lib.venv import ROOT
 
 STARTED = "started"  # the record's entry for what each training stage last started from, finished or not
+MINUTES = (
+    "minutes"  # the record's entry for the minutes each stage's last run took (a resumed one: its last part)
+)
 
 
 @dataclasses.dataclass
@@ -116,7 +120,15 @@ def run_stages(every: list[Stage], record: Path, label: str) -> list[Stage]:
                     f"{stage.name}: its inputs changed since it ran, so it starts over (the old run: {moved})"
                 )
             remember(started, stage.name, inputs)
+        start = time.perf_counter()
         stage.run()
-        remember(made_from, stage.name, inputs)
+        made_from.setdefault(MINUTES, {})[stage.name] = round((time.perf_counter() - start) / 60, 2)
+        made_from[stage.name] = inputs
+        write_atomically(record, json.dumps(made_from, indent=1) + "\n")
         ran.append(stage)
     return ran
+
+
+def minutes(record: Path) -> dict[str, float]:
+    """{stage: the minutes its last run took} from a pipeline's record (none for a stage an older run made)."""
+    return json.loads(record.read_text()).get(MINUTES, {}) if record.is_file() else {}

@@ -52,7 +52,7 @@ import lib.venv  # noqa: F401  (first: says which python to use when the depende
 from lib import runlock
 from lib.config import UserError, parse, run_main, to_dict, write_config
 from lib.models.smollm2 import SMOLLM2_DIR
-from lib.stages import Stage, resolved_command, run_stages
+from lib.stages import Stage, minutes, resolved_command, run_stages
 from lib.venv import ROOT
 
 SETTINGS = "demo.toml"  # the settings the demo in a directory was started with
@@ -406,8 +406,8 @@ def main(cfg: Config) -> dict:
 
     # ------------------------------------------------------------ report
     rewards = [reward(run_dir) for run_dir in evaluated_dirs(cfg)]
-    minutes = (time.perf_counter() - start) / 60
-    took = f" ({minutes:.1f} min)" if left else ""
+    total = (time.perf_counter() - start) / 60
+    took = f" ({total:.1f} min)" if left else ""
     stages_said = (["reward of the base model"] if cfg.real else []) + (
         ["reward after SFT"] if cfg.sft else []
     )
@@ -429,12 +429,18 @@ def main(cfg: Config) -> dict:
         print(
             f"greedy: {', '.join(greedy_rewards[:-1])} -> {greedy_rewards[-1]}; per stage: eval/*/summary.json"
         )
+    stage_minutes = minutes(cfg.out / INPUTS)
+    print(
+        "minutes by stage (each one's last run): "
+        + ", ".join(f"{name} {value:.1f}" for name, value in stage_minutes.items())
+        + f"; {sum(stage_minutes.values()):.1f} in all"
+    )
     print(f"reward curve: {cfg.out / 'reward_curve.png'}")
     print(f"tensorboard:  .venv/bin/tensorboard --logdir {cfg.out}   (or: make tensorboard)")
     if not left:
         print(start_over(cfg.out))
     print(f"run dir: {cfg.out}")
-    return {"before": rewards[-2], "after": rewards[-1], "minutes": minutes}
+    return {"before": rewards[-2], "after": rewards[-1], "minutes": total, "stage_minutes": stage_minutes}
 
 
 if __name__ == "__main__":

@@ -153,6 +153,19 @@ def test_an_interrupted_demo_runs_only_the_stages_it_had_left(toy_demo):
     assert {name: now[name] for name in left} == left
 
 
+def test_the_summary_gives_each_stage_s_minutes_from_its_last_run(toy_demo):
+    # The first run's stages were timed by it, the rest by the second run: the record keeps both. The
+    # evaluation after SFT was killed as its command ended, before it was timed (then trusted as done).
+    said = re.search(r"minutes by stage \(each one's last run\): (.*); ([\d.]+) in all", toy_demo["second"])
+    assert said, toy_demo["second"][-2000:]
+    parts = [part.rsplit(" ", 1) for part in said.group(1).split(", ")]
+    assert [name for name, _ in parts] == ["model", "sft", "rl", "eval after RL", "reward curve"]
+    recorded = demo.minutes(toy_demo["cfg"].out / demo.INPUTS)
+    assert [f"{value:.1f}" for value in recorded.values()] == [value for _, value in parts]
+    assert all(recorded[name] > 0 for name in ("sft", "rl", "eval after RL"))
+    assert float(said.group(2)) == pytest.approx(sum(recorded.values()), abs=0.051)
+
+
 @pytest.mark.slow
 def test_a_finished_demo_rerun_touches_nothing_and_says_where_its_results_are(toy_demo):
     out = toy_demo["cfg"].out

@@ -113,6 +113,44 @@ def test_a_wait_pause_after_a_keep_pause_lets_the_held_sequence_finish(tiny_dir)
     engine.close()
 
 
+def test_waiting_sequences_join_a_running_batch_together_or_after_a_few_steps(tiny_dir):
+    # Each join prefills the newcomers and lays the whole KV cache out again: one newcomer beside 16 running
+    # rows waits up to ADMIT_AFTER_STEPS decode steps for others, a quarter of the rows' worth joins at once.
+    from lib.inference.server import engine as engine_module
+
+    engine = Engine(ModelConfig(name=str(tiny_dir), device="cpu"))
+    steps = []  # (rows running, newcomers) of each step
+    real_step = engine.decoder.step
+
+    def step(batch, new, label):
+        steps.append((len(batch.seqs) if batch else 0, len(new)))
+        return real_step(batch, new, label)
+
+    engine.decoder.step = step
+    try:
+        running = [
+            engine.submit([5 + i, 6], SamplingParams(max_tokens=300, ignore_eos=True)) for i in range(16)
+        ]
+        deadline = time.monotonic() + 60
+        while not steps:
+            assert time.monotonic() < deadline, "the batch did not start in 60 s"
+            time.sleep(0.01)
+        short = SamplingParams(max_tokens=2, ignore_eos=True)
+        for newcomers, waits in ((1, getattr(engine_module, "ADMIT_AFTER_STEPS", 8)), (4, 0)):
+            engine.pause("keep")  # between two steps: the newcomers are all waiting when it resumes
+            futures = [engine.submit([7, 8, 9], short) for _ in range(newcomers)]
+            resumed = len(steps)
+            engine.resume()
+            for future in futures:
+                assert len(future.result(timeout=60)[0].token_ids) == 2
+            after = steps[resumed:]
+            joined = next(i for i, (_, new) in enumerate(after) if new)
+            assert (joined, after[joined]) == (waits, (16, newcomers)), after[: joined + 1]
+        assert all(len(f.result(timeout=120)[0].token_ids) == 300 for f in running)
+    finally:
+        engine.close()
+
+
 def test_a_decode_step_returns_the_finished_rows_and_keeps_the_others(tiny_dir):
     from lib.inference.server.decode import Decoder, Sequence
     from lib.models.load import load_model
@@ -225,30 +263,52 @@ def test_bf16_linear_layers_take_the_cpus_path_and_compute_what_plain_ones_do_af
     # On a CPU in bf16 the engine multiplies by copies of the linear weights laid out once for oneDNN where
     # oneDNN can lay bf16 out (AVX-512 or AVX-NE-CONVERT), by the weights themselves elsewhere (AVX2 only):
     # either way the logits are bit for bit the plain model's, before and after a reload (lib/inference/server/linear.py).
-    from safetensors.torch import save_file
-
     from lib.inference.server import linear
-    from lib.models.load import cpu_has_bf16, load_model
+    from lib.models.load import cpu_has_bf16
 
     packs = torch.ops.mkldnn._is_mkldnn_bf16_supported()  # what oneDNN says it can do here, asked another way
     print(f"bf16 linear layers checked on this CPU: {'prepacked' if packs else 'plain matmuls'}")
     print(f"native bf16 (the trainer's and serve.py's auto dtype): {cpu_has_bf16()}")
     assert packs or not cpu_has_bf16()  # where auto picks bf16, oneDNN computes it
-    config = ModelConfig(name=str(tiny_dir), device="cpu", dtype="bfloat16")
+    assert linear.cpu_packs_bf16() == packs
+    said = "prepacked for oneDNN" if packs else f"plain bf16 matmuls ({linear.PLAIN_REASON})"
+    check_linear_layers(tiny_dir, tmp_path, caplog, "bfloat16", packs, said, tolerance=0)
+
+
+def test_float32_linear_layers_are_prepacked_on_a_cpu_and_compute_what_plain_ones_do_after_a_reload(
+    tiny_dir, tmp_path, caplog
+):
+    # In float32 oneDNN lays the weights out on every CPU (AVX2 included), where MKL's plain matmuls were
+    # 1.4x slower at a decode step's rows: the logits differ from the plain model's only by the order of the sums.
+    check_linear_layers(tiny_dir, tmp_path, caplog, "float32", True, "prepacked for oneDNN", tolerance=1e-5)
+
+
+def check_linear_layers(tiny_dir, tmp_path, caplog, dtype: str, packs: bool, said: str, tolerance: float):
+    """The engine's linear layers are prepacked (`packs`) or plain, its log says which (`said`), and its logits
+    are the plain model's within `tolerance` (0: bit for bit), before and after a reload, and decode runs."""
+    from safetensors.torch import save_file
+
+    from lib.inference.server import linear
+    from lib.models.load import load_model
+
+    config = ModelConfig(name=str(tiny_dir), device="cpu", dtype=dtype)
     with caplog.at_level(logging.INFO, logger="lib.inference.server.engine"):
         engine = Engine(config)
     plain = load_model(config)
+
+    def same(a, b):
+        torch.testing.assert_close(a, b, rtol=0, atol=tolerance)
+
     try:
-        assert linear.cpu_packs_bf16() == engine.prepacked == packs
+        assert engine.prepacked == packs
         layers = [m for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
         assert all(hasattr(m, "packed") == packs for m in layers)
-        said = "prepacked for oneDNN" if packs else "plain bf16 matmuls"
         assert [r.message for r in caplog.records if "linear layers" in r.message] == [
-            f"linear layers: {said}" + ("" if packs else f" ({linear.PLAIN_REASON})")
+            f"linear layers: {said}"
         ]
         ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])
         with torch.inference_mode():
-            assert torch.equal(engine.model(ids).logits, plain(ids).logits)
+            same(engine.model(ids).logits, plain(ids).logits)
             # New weights, as a trainer's step writes them: every linear layer moved.
             state = {name: tensor.clone() for name, tensor in plain.state_dict().items()}
             for name in state:
@@ -259,7 +319,7 @@ def test_bf16_linear_layers_take_the_cpus_path_and_compute_what_plain_ones_do_af
             engine.reload(tmp_path / "step")
             plain.load_state_dict(state)
             moved = engine.model(ids).logits
-            assert torch.equal(moved, plain(ids).logits)
+            same(moved, plain(ids).logits)
             if packs:
                 linear.prepack(plain)  # the same forward, prepacked here: unchanged
                 assert torch.equal(moved, plain(ids).logits)

@@ -14,6 +14,7 @@ from lib.orchestrator.rollouts import Rollout
 from lib.orchestrator.tasks import (  # noqa: F401
     EnvConfig,
     TaskStream,
+    bad_arguments,
     json_object,
     resolve_id,
     sft_conversations,
@@ -66,13 +67,7 @@ def load_env(env: EnvConfig) -> "vf.Env":
     except (AttributeError, TypeError) as error:  # a module by that name that is no taskset
         raise UserError(f"environment {env.id} is not a verifiers taskset ({error})") from None
     except pydantic.ValidationError as error:
-        problems = "; ".join(
-            ".".join(map(str, e["loc"][1:] or ["args"]))
-            + ": "
-            + e["msg"].removeprefix("Value error, ").rstrip(".")
-            for e in error.errors()
-        )
-        raise UserError(f"bad arguments for environment {env.id}: {problems}.") from None
+        raise bad_arguments(env.id, error) from None
     patches.use_aiohttp_transport()
     patches.cache_default_factory_checks()
     return vf.load_environment(config)

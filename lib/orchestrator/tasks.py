@@ -124,8 +124,9 @@ def json_object(text: str, name: str) -> dict:
 @dataclasses.dataclass
 class EnvConfig:
     id: str = "reverse_text"
-    """Taskset id: reverse_text, alphabet_sort, plainrl_calculator, any installed verifiers taskset, or a Python
-    file of yours that defines examples() and reward(completion, example) (docs/environments.md)."""
+    """Taskset id: reverse_text, alphabet_sort, plainrl_calculator, plainrl_reasoning_gym (any reasoning-gym task by
+    name), any installed verifiers taskset, or a Python file of yours that defines examples() and
+    reward(completion, example) (docs/environments.md)."""
     # --env-args too, as eval.py spells it, in every script (sft.py: for --data.args).
     args: Annotated[str, tyro.conf.arg(aliases=("--env-args",))] = "{}"
     """JSON object of taskset arguments, e.g. '{"min_turns": 3}'."""
@@ -200,9 +201,14 @@ def check_env_ids(env: EnvConfig, data: bool = False, examples_per_step: int = 1
         ):  # lib.orchestrator.data.check_data reads files
             continue
         name = module_name(resolve_id(config.id))
+        if name == "reasoning_gym":  # the library itself, installed beside the taskset that plays it
+            raise UserError(
+                f"environment {config.id} is the reasoning-gym library, not a taskset: --env.id plainrl_reasoning_gym "
+                """--env.args '{"task": "NAME"}' plays its tasks (docs/environments.md)."""
+            )
         if any((d / name).is_dir() or (d / f"{name}.py").is_file() for d in builtin) or module_found(name):
             continue
-        known = [*OWN_TASKSETS, "plainrl_calculator"]
+        known = [*OWN_TASKSETS, "plainrl_calculator", "plainrl_arithmetic", "plainrl_reasoning_gym"]
         close = difflib.get_close_matches(config.id, known, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
         if config.id in known:  # plainrl's own, run from a source tree that was never installed
@@ -272,6 +278,17 @@ def hf_rows(taskset: str, dataset: str, split: str, source: str) -> list[dict] |
         return None
     print(f"{taskset}: {len(rows)} rows of {dataset} ({split})", file=sys.stderr)
     return rows
+
+
+def bad_arguments(env_id: str, error) -> UserError:
+    """A taskset config's pydantic ValidationError as one sentence: each field and what is wrong with it."""
+    problems = "; ".join(
+        ".".join(map(str, e["loc"][1:] or ["args"]))
+        + ": "
+        + e["msg"].removeprefix("Value error, ").rstrip(".")
+        for e in error.errors()
+    )
+    return UserError(f"bad arguments for environment {env_id}: {problems}.")
 
 
 def taskset_args(env: EnvConfig) -> dict:
@@ -372,6 +389,7 @@ def sft_conversations(env: EnvConfig) -> list:
     `reference_tools() -> list[dict]` for the tools its episodes offer; otherwise tasks whose data has
     an `answer` give the prompt answered with it. An endless taskset needs env.num_examples.
     """
+    import pydantic
     import verifiers.v1 as vf
     from verifiers.v1.utils.loaders import import_taskset
 
@@ -380,7 +398,10 @@ def sft_conversations(env: EnvConfig) -> list:
         module = import_taskset(env_id)
     except ModuleNotFoundError:
         raise UserError(f"environment {env.id} is not an installed verifiers taskset.") from None
-    config = vf.taskset_config_type(env_id).model_validate({"id": env_id, **taskset_args(env)})
+    try:
+        config = vf.taskset_config_type(env_id).model_validate({"id": env_id, **taskset_args(env)})
+    except pydantic.ValidationError as error:
+        raise bad_arguments(env.id, error) from None
     taskset = vf.load_taskset(config)
     if env.num_examples > 0:
         taskset = taskset.take(env.num_examples)

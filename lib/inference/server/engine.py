@@ -22,6 +22,12 @@ log = logging.getLogger(__name__)
 # From idle, the first batch starts once requests stop arriving for BURST_GAP_S, or after BURST_WAIT_S.
 BURST_GAP_S = 0.005
 BURST_WAIT_S = 0.1
+# Beside a running batch, waiting sequences join it once there are at least 1/ADMIT_SHARE as many as it has
+# rows, or after ADMIT_AFTER_STEPS decode steps. Each join prefills the newcomers together and re-lays the
+# whole KV cache: an evaluation's 256 requests, 32 at a time, joined ~2 at a time, and the joins and small
+# prefills took over half of its time (SmolLM2, float32, 2 cores; docs/benchmarks.md).
+ADMIT_SHARE = 4
+ADMIT_AFTER_STEPS = 8
 
 
 class TooLong(ValueError):
@@ -155,6 +161,7 @@ class Engine:
         # pause("keep"): the worker holds the running batch (`_held` once it does); `_recompute`: the
         # held batch's KV is recomputed under the current weights before its next token.
         self._keep = self._held = self._recompute = False
+        self._waited = 0  # decode steps the waiting sequences have waited to join the running batch
         self._worker = threading.Thread(target=self._loop, name="plainrl-engine", daemon=True)
         self._worker.start()
 
@@ -331,6 +338,7 @@ class Engine:
                     self._pending
                     and self._admitting()
                     and rows + len(new) + len(self._pending[0]) <= self.max_batch_size
+                    and (new or self._joins_now(rows))
                 ):
                     seqs = self._pending.popleft()
                     # Running futures cannot be cancelled any more; a cancelled one lost its caller: skip it.
@@ -370,6 +378,16 @@ class Engine:
             self._cond.wait(timeout=BURST_GAP_S)
             if len(self._pending) == waiting or self._closed:
                 return
+
+    def _joins_now(self, rows: int) -> bool:
+        """Whether the waiting sequences join a batch of `rows` running ones at this step (ADMIT_SHARE):
+        counts the steps they waited. Called with the lock held."""
+        waiting = sum(len(seqs) for seqs in self._pending)
+        if rows and waiting * ADMIT_SHARE < rows and self._waited < ADMIT_AFTER_STEPS:
+            self._waited += 1
+            return False
+        self._waited = 0
+        return True
 
     def _admitting(self) -> bool:
         return not self._paused and not self._reloading

@@ -1,4 +1,5 @@
-"""The builtin engine's linear layers on a CPU in bf16: weights laid out once for oneDNN's matmul."""
+"""The builtin engine's linear layers on a CPU: weights laid out once for oneDNN's matmul (float32, and bf16
+where the CPU can)."""
 
 import functools
 
@@ -33,16 +34,23 @@ def bf16_on_cpu(model) -> bool:
 
 
 def prepacks(model) -> bool:
-    """Whether the engine computes `model`'s linear layers with prepacked weights: bf16 on a CPU whose oneDNN
-    lays bf16 weights out (cpu_packs_bf16); elsewhere plain matmuls, with the same outputs."""
-    return bf16_on_cpu(model) and cpu_packs_bf16()
+    """Whether the engine computes `model`'s linear layers with prepacked weights: float32 on a CPU with oneDNN,
+    and bf16 on a CPU whose oneDNN lays bf16 weights out (cpu_packs_bf16); elsewhere plain matmuls. In bf16
+    the outputs are the plain matmuls' bit for bit; in float32 they differ by the order of the sums (~1e-7
+    relative). A float32 SmolLM2 decode step of 32 rows took 1.4x less time prepacked, its output layer
+    2-2.5x less, AVX2 and AVX-512 alike (docs/benchmarks.md)."""
+    weight = next(model.parameters())
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and cpu_packs_bf16())
 
 
 def prepack(model) -> None:
     """Gives every nn.Linear of `model` a copy of its weight in oneDNN's blocked layout and a forward that
     multiplies by it. A plain bf16 matmul lays the weight out again at every call: prepacked, a 64-row
     SmolLM2 decode step's linear layers took 16% less time (their weights read cold, one thread), with
-    bit-identical outputs (tests/test_engine.py). Call again whenever the weights change: the copies do not
+    bit-identical outputs (tests/test_engine.py); float32 ones go through MKL, slower at a decode step's few
+    rows (prepacks). Call again whenever the weights change: the copies do not
     follow them. The parameters stay what reloads, adapters and the weight fingerprint read and write."""
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
