@@ -25,8 +25,7 @@ Where it departs from the textbook, on purpose:
 9. At max_async_level >= 1 the servers reload step N's weights while step N+1 trains (lib/inference/weights/sync.py
    Reloader); the logprob probe, which needs the trainer's live weights, runs at the start only.
 
-With --teacher.model (or --teacher.urls) it distills on-policy: a teacher scores every rollout's tokens and the
-loss's advantage is, per token, teacher_logp - logp beside the reward's (--distill.reward-weight; docs/algorithms.md).
+With --teacher.model or --teacher.urls it distills on-policy from the teacher's per-token logprobs (docs/algorithms.md).
 With --eval.every N, held-out tasks are evaluated as eval.py does (lib/orchestrator/evaluation.py); env.mix draws
 several environments by ratio (lib/orchestrator/mixture.py). Runs write provenance.json, base.json and reward_curve.png too.
 
@@ -53,7 +52,7 @@ from lib.models.load import ModelConfig
 from lib.orchestrator.envs import EnvConfig
 from lib.orchestrator.evaluation import EvalConfig
 from lib.orchestrator.rollouts import AdvantageConfig
-from lib.orchestrator.teacher import TeacherConfig
+from lib.orchestrator.teacher import TeacherConfig, check_teacher
 from lib.sampling import SamplingConfig
 from lib.trainer.loss import DistillConfig, LossConfig
 from lib.trainer.optim import OptimConfig
@@ -166,10 +165,6 @@ class Config:
             raise UserError("keep_weights must be >= 2, keep_checkpoints and checkpoint_every >= 1.")
         if self.peer_timeout <= 0:
             raise UserError("peer_timeout must be a positive number of seconds.")
-        if self.distill.reward_weight and not self.teacher.enabled:
-            raise UserError(
-                "distill.reward_weight weighs the reward beside a teacher: give --teacher.model or --teacher.urls."
-            )
         if self.share_prompts == "on" and not (self.packing and self.model.attn_implementation == "sdpa"):
             raise UserError(
                 "share_prompts on needs packing and model.attn_implementation sdpa (lib/trainer/packing.py)."
@@ -191,7 +186,6 @@ def main(cfg: Config) -> dict:
     from lib.models.load import check_model_name, load_tokenizer, resolve_device
     from lib.orchestrator.producer import start_producer
     from lib.orchestrator.tasks import check_env_ids
-    from lib.orchestrator.teacher import check_tokenizer
     from lib.plot import eval_points
     from lib.trainer.checkpoint import open_run, resume_rl, save_checkpoint, step_of
     from lib.trainer.loss import loss_function
@@ -206,8 +200,7 @@ def main(cfg: Config) -> dict:
     is_main = rank == 0
     check_model_name(cfg.model.name)
     check_env_ids(cfg.env, examples_per_step=cfg.examples_per_step)  # before any run directory or server
-    if cfg.teacher.model:  # a teacher whose token ids mean other tokens is refused before any server starts
-        check_tokenizer(cfg.model.name, cfg.teacher.model)
+    check_teacher(cfg)  # a reward weight without a teacher, or a teacher's other tokens: before any server
     # LoRA: the adapter's name on the servers, None where they load the merged model.
     adapter = launch.ADAPTER_NAME if cfg.lora.rank and cfg.inference.lora_sync == "adapter" else None
     cfg.inference.weight_sync = sync.weight_sync_mode(cfg, resolve_device(cfg.model), bool(adapter))
@@ -237,7 +230,7 @@ def main(cfg: Config) -> dict:
     with contextlib.ExitStack() as cleanup:
         # -------------------------------------------------------- inference servers, environments, producer
         # Every rank knows whether the adapter alone is written (a collective); rank 0 adds the servers.
-        servers, evaluator, teacher = sync.Servers(urls=[], names=[], adapter=adapter), None, None
+        servers, evaluator = sync.Servers(urls=[], names=[], adapter=adapter), None
         if is_main:
             servers = sync.open_servers(
                 cfg, model, save_dtype=save_dtype, autocast=autocast, device=device, kept_set=kept_set,
@@ -256,12 +249,9 @@ def main(cfg: Config) -> dict:
         # cannot read the run directory, or runs another model or dtype, stops the run here.
         weight_sync.publish(start, "at the start of the run")
         if is_main:
-            teacher = launch.open_teacher(
-                cfg, api_key=servers.api_key, device=device, cleanup=cleanup, say=say
-            )
             mixture, evaluator, producer = start_producer(
-                cfg, servers, run_dir=run_dir, progress=progress, start=start,
-                served_kept_sets=kept_set == "served", teacher=teacher,
+                cfg, servers, run_dir=run_dir, progress=progress, start=start, served_kept_sets=kept_set == "served",
+                teacher=launch.open_teacher(cfg, api_key=servers.api_key, device=device, cleanup=cleanup, say=say),
             )  # fmt: skip
             cleanup.callback(producer.stop)
             say(f"{mixture.describe()}; {len(servers.urls)} server(s): {' '.join(servers.urls)}")
@@ -286,7 +276,7 @@ def main(cfg: Config) -> dict:
                 batch = producer.take(
                     step,
                     report=lambda message: say(f"rollout error: {message}"),
-                    check=lambda: (weight_sync.check_servers(), teacher and teacher.check()),
+                    check=weight_sync.check_servers,
                 )
                 rollouts, micro_batches_per_rank = pack_step(
                     cfg, batch, world_size, tokenizer, kept_set, device
@@ -363,11 +353,6 @@ def step_metrics(
         **seconds,
         "time/step": time.perf_counter() - began,
     }
-    if cfg.teacher.enabled:
-        metrics["time/teacher"], metrics["time/wait_teacher"] = (
-            batch.teacher_seconds,
-            batch.teacher_wait_seconds,
-        )
     if cfg.loss.mask_truncated:
         metrics["train/truncated_masked"] = len(batch.rollouts) - len(rollouts)
     return metrics
@@ -383,9 +368,7 @@ def report(cfg: Config, log, step_number: int, batch, metrics: dict, history: li
     if step_errors := int(metrics["rollouts/errors"]):
         in_run = sum(int(m["rollouts/errors"]) for m in history)
         say(f"step {step_number}: {step_errors} rollout errors ({in_run} in the run)")
-    flat = (
-        batch.num_flat_groups == len(batch.groups) and not cfg.teacher.enabled
-    )  # a teacher's signal is per token
+    flat = batch.num_flat_groups == len(batch.groups) and not cfg.teacher.enabled  # a teacher's is per token
     if flat:
         say(
             f"WARNING step {step_number}: every group is flat (all rewards equal): no learning "

@@ -145,6 +145,16 @@ def test_a_teacher_with_another_tokenizer_is_refused_naming_both(tiny_dir, tmp_p
     print(f"\n{sentence}")
 
 
+def test_a_reward_weight_without_a_teacher_is_refused_before_any_run_directory(tiny_dir, tmp_path):
+    args = distill_args(
+        tiny_dir, tiny_dir, tmp_path / "run", "--steps", "1", "--distill.reward-weight", "0.5"
+    )
+    args[args.index("--teacher.model") : args.index("--teacher.model") + 2] = []
+    with pytest.raises(UserError, match="distill.reward_weight weighs the reward beside a teacher"):
+        rl.main(parse(rl.Config, args))
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_teacher_killed_mid_run_ends_it_in_seconds_with_one_sentence(tiny_dir, trained_tiny, tmp_path):
     teacher = launch.start_server(str(trained_tiny), engine="torch", log_path=tmp_path / "teacher.log")
     out = tmp_path / "dead"

@@ -98,12 +98,14 @@ class Producer:
         """Blocks until the step's groups are ready (re-raising a failure of the producer); on the way,
         `report(message)` gets each rollout error since the last call, as it comes, and `check()` runs
         every HEALTH_EVERY_S seconds (rl.py's: a server that died or froze ends the run in seconds, where
-        the failing rollouts alone would take FAILURE_PATIENCE_S)."""
+        the failing rollouts alone would take FAILURE_PATIENCE_S), as the teacher's check does."""
         future = asyncio.run_coroutine_threadsafe(self._take(step), self.loop)
         checked = time.monotonic()
         while True:
-            if check is not None and time.monotonic() - checked >= HEALTH_EVERY_S:
-                check()
+            if time.monotonic() - checked >= HEALTH_EVERY_S:
+                for checking in (check, self.teacher and self.teacher.check):  # a dead teacher ends it too
+                    if checking:
+                        checking()
                 checked = time.monotonic()
             for message in self.pop_errors():
                 report(message)

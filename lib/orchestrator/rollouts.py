@@ -148,10 +148,10 @@ class StepBatch:
     for this step, so they count in the reward metrics, but never trained on."""
     errors_by_env: dict[str, int] = dataclasses.field(default_factory=dict)
     """Rollout errors since the previous step, by environment."""
-    teacher_seconds: float = 0.0
+    teacher_seconds: float | None = None
     """Seconds the teacher was scoring (a request in flight) since the previous step, beside sampling and
-    training (lib/orchestrator/teacher.py)."""
-    teacher_wait_seconds: float = 0.0
+    training (lib/orchestrator/teacher.py); None without a teacher."""
+    teacher_wait_seconds: float | None = None
     """Of wait_seconds, those the teacher was scoring: at most what the step waited for it."""
 
     @property
@@ -187,6 +187,11 @@ class StepBatch:
             "rollouts/staleness_max": self.staleness_max,
             "rollouts/errors": sum(self.errors_by_env.values()),
         }
+        if self.teacher_seconds is not None:
+            metrics["time/teacher"], metrics["time/wait_teacher"] = (
+                self.teacher_seconds,
+                self.teacher_wait_seconds,
+            )
         for name in env_names:
             mine = [group for group in self.groups if group[0].env == name]
             replaced = [group for group in self.replaced_groups if group[0].env == name]

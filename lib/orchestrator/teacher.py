@@ -35,11 +35,23 @@ class TeacherConfig:
         return bool(self.model or self.urls)
 
 
-def check_tokenizer(student: str, teacher: str) -> None:
+def check_teacher(cfg) -> None:
+    """rl.py's distillation settings (cfg: its Config), before any server starts: a reward weight needs a teacher,
+    and a teacher given as teacher.model must share the student's tokenizer (an attached one: launch.open_teacher)."""
+    if cfg.distill.reward_weight and not cfg.teacher.enabled:
+        raise UserError(
+            "distill.reward_weight weighs the reward beside a teacher: give --teacher.model or --teacher.urls."
+        )
+    check_tokenizer(cfg.model.name, cfg.teacher.model)
+
+
+def check_tokenizer(student: str, teacher: str | None) -> None:
     """A one-sentence UserError unless the teacher's tokenizer gives every token the student's id: the teacher
-    scores the student's token ids as they are."""
+    scores the student's token ids as they are. No teacher (None): nothing to check."""
     from lib.models.load import load_tokenizer
 
+    if not teacher:
+        return
     try:
         theirs = load_tokenizer(teacher).get_vocab()
     except (OSError, ValueError):

@@ -38,9 +38,8 @@ def train_micro_batch(
         scoring["distill"] is not None
     ):  # on-policy distillation: the teacher's per-token advantage beside the reward's
         assert mb.teacher_logp is not None or not mb.loss_mask.any(), "a rollout reached training unscored"
-        teacher_logp = (
-            mb.inference_logp if mb.teacher_logp is None else mb.teacher_logp
-        )  # None: an empty micro-batch
+        # An empty micro-batch carries no teacher logprobs: the inference ones stand in (no loss token).
+        teacher_logp = mb.inference_logp if mb.teacher_logp is None else mb.teacher_logp  # (R, T)
         adv, reverse_kl = distill_advantages(
             adv, logp, teacher_logp, mb.loss_mask, scoring["distill"].reward_weight
         )
@@ -57,12 +56,8 @@ def train_micro_batch(
     )
     # FSDP averages gradients over ranks; the loss is already this rank's share of the mean.
     (loss * world_size).backward()
-    values = {
-        "loss": loss,
-        "entropy": token_share(token_entropy, mb.loss_mask, num_loss_tokens),
-        **metrics,
-        **distill,
-    }
+    entropy = token_share(token_entropy, mb.loss_mask, num_loss_tokens)
+    values = {"loss": loss, "entropy": entropy, **metrics, **distill}
     if scoring["count_outside"]:
         values["outside_kept_set"] = token_share(outside.float(), mb.loss_mask, num_loss_tokens)
     for name, value in values.items():
