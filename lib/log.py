@@ -183,9 +183,9 @@ def shorten(text: str, width: int) -> str:
 
 
 def rl_line(values: dict[str, float], previous: dict[str, float] | None) -> str:
-    """rl.py's console line: the reward and its change since the previous step (a mixture's per environment),
-    the step's seconds and what it waited for (an evaluation among them), and tokens per second sampled and
-    trained. Every other metric: tensorboard."""
+    """rl.py's console line: the reward and its change since the previous step (a mixture's per environment;
+    distilling, the reverse KL to the teacher), the step's seconds and what it waited for (the teacher, an
+    evaluation among them), and tokens per second sampled and trained. Every other metric: tensorboard."""
     reward = values["reward/mean"]
     line = f"reward {reward:.3f}" + (f" ({reward - previous['reward/mean']:+.3f})" if previous else "")
     names = [name.split("/")[1] for name in values if name.startswith("env/") and name.endswith("/groups")]
@@ -194,7 +194,11 @@ def rl_line(values: dict[str, float], previous: dict[str, float] | None) -> str:
         rewards = [(name, values.get(f"env/{name}/reward/mean")) for name in names]
         line += " [" + ", ".join(f"{name} {'-' if r is None else f'{r:.3f}'}" for name, r in rewards) + "]"
     # Within 100 columns with "step 1000/1000  " before it: seconds waited for rollouts, the weight sync, an eval.
-    waits = f"rollouts {values['time/wait_rollouts']:.1f}, sync {values['time/wait_sync']:.1f}"
+    waits = f"rollouts {values['time/wait_rollouts']:.1f}"
+    if "time/wait_teacher" in values:  # of which the teacher was scoring, and the reverse KL it measured
+        waits += f" (teacher {values['time/wait_teacher']:.1f})"
+        line += f" kl {values.get('distill/reverse_kl', 0.0):.3f}"
+    waits += f", sync {values['time/wait_sync']:.1f}"
     evaluated = [v for name, v in values.items() if name.startswith("eval/") and name.endswith("seconds")]
     if evaluated:
         waits += f", eval {sum(evaluated):.1f}"

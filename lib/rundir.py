@@ -22,6 +22,7 @@ CHECKPOINTS = "checkpoints"  # lib/trainer/checkpoint.py
 ROLLOUTS = "rollouts"  # rl.py
 EVAL = "eval"  # rl.py's evaluations during the run (lib/orchestrator/evaluation.py)
 SERVER_LOG = "server.log"  # the server rl.py started (lib/inference/launch.py)
+TEACHER_LOG = "teacher.log"  # the distillation teacher's server rl.py started (lib/inference/launch.py)
 LOSS_CURVE = "loss_curve.png"  # sft.py
 REWARD_CURVE = "reward_curve.png"  # rl.py
 SLURM = "slurm"  # a SLURM job's script and logs (lib/slurm.py), written before the run starts
@@ -48,6 +49,7 @@ OUTPUTS = (
     ROLLOUTS,
     EVAL,
     SERVER_LOG,
+    TEACHER_LOG,
     LOSS_CURVE,
     REWARD_CURVE,
     EXPORTED,  # made from the run's checkpoints: a restart's would be other weights under the same step_N

@@ -25,6 +25,7 @@ Where it departs from the textbook, on purpose:
 9. At max_async_level >= 1 the servers reload step N's weights while step N+1 trains (lib/inference/weights/sync.py
    Reloader); the logprob probe, which needs the trainer's live weights, runs at the start only.
 
+With --teacher.model or --teacher.urls it distills on-policy from the teacher's per-token logprobs (docs/algorithms.md).
 With --eval.every N, held-out tasks are evaluated as eval.py does (lib/orchestrator/evaluation.py); env.mix draws
 several environments by ratio (lib/orchestrator/mixture.py). Runs write provenance.json, base.json and reward_curve.png too.
 
@@ -33,6 +34,7 @@ Usage:
     python scripts/rl.py @ configs/reverse_text/rl.toml                             # one GPU, shared
     python scripts/rl.py @ configs/reverse_text/rl.toml --inference.urls http://h:8000/v1
     python scripts/rl.py @ configs/reverse_text/rl.toml @ configs/recipes/gspo.toml  # a recipe
+    python scripts/rl.py @ configs/smollm2_two_digit/distill.toml --teacher.model DIR # distillation
     torchrun --nproc-per-node 4 scripts/rl.py @ configs/alphabet_sort/rl.toml      # FSDP2 trainer
 """
 
@@ -50,8 +52,9 @@ from lib.models.load import ModelConfig
 from lib.orchestrator.envs import EnvConfig
 from lib.orchestrator.evaluation import EvalConfig
 from lib.orchestrator.rollouts import AdvantageConfig
+from lib.orchestrator.teacher import TeacherConfig, check_teacher
 from lib.sampling import SamplingConfig
-from lib.trainer.loss import LossConfig
+from lib.trainer.loss import DistillConfig, LossConfig
 from lib.trainer.optim import OptimConfig
 from lib.trainer.trainable import LoraConfig
 
@@ -76,6 +79,10 @@ class Config:
     """Inference servers."""
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     """Evaluation on held-out tasks during the run (off unless eval.every > 0)."""
+    teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig)
+    """On-policy distillation: the teacher that scores every rollout's tokens (off unless teacher.model or urls)."""
+    distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
+    """On-policy distillation's loss: the reward's weight beside the teacher's per-token advantage."""
     wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
     """Weights & Biases logging beside tensorboard (off unless wandb.project is set)."""
     steps: int = 20
@@ -193,6 +200,7 @@ def main(cfg: Config) -> dict:
     is_main = rank == 0
     check_model_name(cfg.model.name)
     check_env_ids(cfg.env, examples_per_step=cfg.examples_per_step)  # before any run directory or server
+    check_teacher(cfg)  # a reward weight without a teacher, or a teacher's other tokens: before any server
     # LoRA: the adapter's name on the servers, None where they load the merged model.
     adapter = launch.ADAPTER_NAME if cfg.lora.rank and cfg.inference.lora_sync == "adapter" else None
     cfg.inference.weight_sync = sync.weight_sync_mode(cfg, resolve_device(cfg.model), bool(adapter))
@@ -242,8 +250,8 @@ def main(cfg: Config) -> dict:
         weight_sync.publish(start, "at the start of the run")
         if is_main:
             mixture, evaluator, producer = start_producer(
-                cfg, servers, run_dir=run_dir, progress=progress, start=start,
-                served_kept_sets=kept_set == "served",
+                cfg, servers, run_dir=run_dir, progress=progress, start=start, served_kept_sets=kept_set == "served",
+                teacher=launch.open_teacher(cfg, api_key=servers.api_key, device=device, cleanup=cleanup, say=say),
             )  # fmt: skip
             cleanup.callback(producer.stop)
             say(f"{mixture.describe()}; {len(servers.urls)} server(s): {' '.join(servers.urls)}")
@@ -281,6 +289,7 @@ def main(cfg: Config) -> dict:
             totals, lr = train_step(
                 model, optimizer, scheduler, rank_micro_batches, counts, cfg=cfg, compute_loss=compute_loss,
                 kept_set=kept_set, reference=reference, autocast=autocast, world_size=world_size, device=device,
+                distill=cfg.distill if cfg.teacher.enabled else None,
             )  # fmt: skip
             train_seconds = time.perf_counter() - train_began
 
@@ -333,7 +342,8 @@ def step_metrics(
     num_tokens = sum(len(r.token_ids) for r in rollouts)
     metrics = {
         **batch.metrics(cfg.env.id, tuple(source.name for source in mixture.sources)),
-        **{f"train/{k}": v for k, v in totals.items()},
+        # The loss's sums under train/, but distill/reverse_kl, named in full where it is summed.
+        **{name if "/" in name else f"train/{name}": value for name, value in totals.items()},
         "train/lr": lr,
         "train/rollouts": counts["num_rollouts"],
         "train/episodes": counts["num_episodes"],
@@ -358,7 +368,7 @@ def report(cfg: Config, log, step_number: int, batch, metrics: dict, history: li
     if step_errors := int(metrics["rollouts/errors"]):
         in_run = sum(int(m["rollouts/errors"]) for m in history)
         say(f"step {step_number}: {step_errors} rollout errors ({in_run} in the run)")
-    flat = batch.num_flat_groups == len(batch.groups)
+    flat = batch.num_flat_groups == len(batch.groups) and not cfg.teacher.enabled  # a teacher's is per token
     if flat:
         say(
             f"WARNING step {step_number}: every group is flat (all rewards equal): no learning "

@@ -20,8 +20,10 @@ SCRIPTS = ["sft", "rl", "eval", "serve", "tiny"]
     "path", sorted((ROOT / "configs").glob("*/*.toml")), ids=lambda p: f"{p.parent.name}/{p.name}"
 )
 def test_every_preset_parses_into_its_config(path):
-    # A recipe (configs/recipes/) is an overlay of rl.py's settings, composed with an environment's preset.
-    config_class = load_script("rl" if path.parent.name == "recipes" else path.stem).Config
+    # A recipe (configs/recipes/) is an overlay of rl.py's settings, composed with an environment's preset; a
+    # distillation preset is rl.py's too.
+    script = "rl" if path.parent.name == "recipes" or path.stem == "distill" else path.stem
+    config_class = load_script(script).Config
     cfg = parse(config_class, ["@", str(path)])
     assert isinstance(cfg, config_class)
 

@@ -309,3 +309,37 @@ def start_or_attach(
     commands = [server.process.args] if server else [None] * len(urls)  # attached: not known here
     write_provenance(run_dir, [{"url": u, "command": c} for u, c in zip(urls, commands)], api_key)
     return urls, names, server
+
+
+def open_teacher(cfg, *, api_key: str | None, device: str, cleanup: contextlib.ExitStack, say=print):
+    """rl.py's distillation teacher (cfg: its Config), a lib/orchestrator/teacher.py Teacher, or None without one:
+    attached to teacher.urls (the key from the environment), or a server started on teacher.model as the
+    policy's is (inference.engine, the policy server's `api_key`, teacher.log; `cleanup` stops it), long enough
+    for a rollout of seq_len and the one token a scoring request generates. An attached teacher given no
+    teacher.model has its tokenizer checked from the directory its server names (rl.py checks teacher.model's)."""
+    from lib.config import given_api_key
+    from lib.orchestrator import teacher
+
+    if not cfg.teacher.enabled:
+        return None
+    if cfg.teacher.urls:
+        urls, api_key = list(cfg.teacher.urls), given_api_key(cfg.inference.api_key)
+        names = [served_model(url, api_key) for url in urls]
+        if not cfg.teacher.model:
+            teacher.check_tokenizer(cfg.model.name, model_card(urls[0], api_key).get("root") or names[0])
+    else:
+        from transformers import AutoConfig
+
+        limit = getattr(AutoConfig.from_pretrained(cfg.teacher.model), "max_position_embeddings", None)
+        server = start_server(
+            cfg.teacher.model,
+            engine=cfg.inference.engine,
+            api_key=api_key,
+            log_path=cfg.output_dir / rundir.TEACHER_LOG,
+            extra_args=["--max-model-len", str(min(cfg.seq_len + 1, limit or cfg.seq_len + 1))],
+            threads=max(1, (os.cpu_count() or 2) // 2) if device == "cpu" else None,
+        )
+        cleanup.callback(server.stop)
+        urls, names = [server.url], [cfg.teacher.model]
+    say(f"teacher {cfg.teacher.model or names[0]}: {' '.join(urls)}")
+    return teacher.Teacher(urls, names, api_key)

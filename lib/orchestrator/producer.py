@@ -44,6 +44,7 @@ class Producer:
         seq_len: int | None = None,
         filter_flat_groups: bool = False,
         served_kept_sets: bool = False,
+        teacher=None,
     ):
         assert contexts, "the producer needs at least one server"
         if seq_len is not None:
@@ -57,6 +58,9 @@ class Producer:
         self.group_size, self.examples_per_step = rollouts_per_example, examples_per_step
         self.max_async_level, self.filter_flat_groups = max_async_level, filter_flat_groups
         self.served_kept_sets = served_kept_sets  # every rollout must carry the server's kept sets
+        self.teacher = (
+            teacher  # lib/orchestrator/teacher.py's Teacher: every group is scored before the buffer
+        )
         self.version = start_version
         self.started = start_version * examples_per_step  # groups started, counted in step units
         # Counts since the last take(), kept and reset by the loop's thread alone (_take): each error, flat
@@ -72,7 +76,14 @@ class Producer:
         self.last_success = time.monotonic()
         self.last_error = ""
         self.loop = asyncio.new_event_loop()
-        self.buffer = Buffer(examples_per_step, max_async_level, advantage, self._give_slot_back)
+        self.buffer = Buffer(
+            examples_per_step,
+            max_async_level,
+            advantage,
+            self._give_slot_back,
+            train_flat=teacher is not None,
+        )
+        self.teacher_busy = 0.0  # the teacher's busy seconds at the previous take()
         self.semaphore = asyncio.Semaphore(max_concurrent)
         self.wakeup: asyncio.Event | None = None
         self.failure: BaseException | None = None
@@ -87,12 +98,14 @@ class Producer:
         """Blocks until the step's groups are ready (re-raising a failure of the producer); on the way,
         `report(message)` gets each rollout error since the last call, as it comes, and `check()` runs
         every HEALTH_EVERY_S seconds (rl.py's: a server that died or froze ends the run in seconds, where
-        the failing rollouts alone would take FAILURE_PATIENCE_S)."""
+        the failing rollouts alone would take FAILURE_PATIENCE_S), as the teacher's check does."""
         future = asyncio.run_coroutine_threadsafe(self._take(step), self.loop)
         checked = time.monotonic()
         while True:
-            if check is not None and time.monotonic() - checked >= HEALTH_EVERY_S:
-                check()
+            if time.monotonic() - checked >= HEALTH_EVERY_S:
+                for checking in (check, self.teacher and self.teacher.check):  # a dead teacher ends it too
+                    if checking:
+                        checking()
                 checked = time.monotonic()
             for message in self.pop_errors():
                 report(message)
@@ -108,12 +121,21 @@ class Producer:
     async def _take(self, step: int) -> StepBatch:
         """The buffer's batch for `step` with the counts since the previous one, read and reset here, in the
         loop's thread, where they are counted."""
+        busy_before = self.teacher.busy() if self.teacher else 0.0
         batch = await self.buffer.take(step)
         counts = {
             "num_too_long": self.num_too_long,
             "replaced_groups": self.replaced,
             "errors_by_env": self.errors_by_env,
         }
+        if self.teacher is not None:
+            # Busy since the previous take (beside sampling and training), and while this one waited.
+            busy = self.teacher.busy()
+            counts["teacher_seconds"], counts["teacher_wait_seconds"] = (
+                busy - self.teacher_busy,
+                busy - busy_before,
+            )
+            self.teacher_busy = busy
         self.num_too_long, self.replaced, self.errors_by_env = 0, [], {}
         return dataclasses.replace(batch, **counts)
 
@@ -260,6 +282,8 @@ class Producer:
             self.replaced.append(group)
             self._give_slot_back()
             return
+        if self.teacher is not None:  # a teacher that fails ends the run (_group): no rollout trains unscored
+            group = await self.teacher.score_group(group)
         self.buffer.put(group)
 
     def _replace_failed_group(self) -> None:
@@ -312,10 +336,13 @@ def failure_cause(error: str) -> str:
     return "check the servers (model name, URL, API key) and the environment's args"
 
 
-def start_producer(cfg, servers, *, run_dir, progress: dict, start: int, served_kept_sets: bool):
+def start_producer(
+    cfg, servers, *, run_dir, progress: dict, start: int, served_kept_sets: bool, teacher=None
+):
     """rl.py's rollouts (cfg: its Config; servers: its sync.Servers): its environments (resumed from
     `progress`), the evaluator or None, and a started Producer against every server: (mixture, evaluator,
-    producer). With served kept sets, a group with a rollout without them is left out."""
+    producer). With served kept sets, a group with a rollout without them is left out; with a `teacher`
+    (lib/orchestrator/teacher.py), every group is scored by it."""
     from lib import rundir
     from lib.orchestrator.mixture import load_mixture
     from lib.sampling import bounded
@@ -337,6 +364,7 @@ def start_producer(cfg, servers, *, run_dir, progress: dict, start: int, served_
         examples_per_step=cfg.examples_per_step, max_async_level=cfg.max_async_level,
         max_concurrent=cfg.inference.max_concurrent, advantage=cfg.advantage, start_version=start,
         seq_len=cfg.seq_len, filter_flat_groups=cfg.filter_flat_groups, served_kept_sets=served_kept_sets,
+        teacher=teacher,
     )  # fmt: skip
     producer.start()
     return mixture, evaluator, producer

@@ -61,6 +61,9 @@ class Rollout:
     kept_counts: "np.ndarray | None" = dataclasses.field(default=None, compare=False, repr=False)
     """How many of kept_ids each token owns, aligned with token_ids (int32, 4 bytes a token): > 0 exactly on
     the loss mask."""
+    teacher_logp: list[float] | None = dataclasses.field(default=None, compare=False, repr=False)
+    """On-policy distillation (--teacher.*): the teacher's logprob of each token given the ones before it, aligned
+    with token_ids (0 at the first), scored by lib/orchestrator/teacher.py; None without a teacher."""
 
 
 @dataclasses.dataclass
@@ -145,6 +148,11 @@ class StepBatch:
     for this step, so they count in the reward metrics, but never trained on."""
     errors_by_env: dict[str, int] = dataclasses.field(default_factory=dict)
     """Rollout errors since the previous step, by environment."""
+    teacher_seconds: float | None = None
+    """Seconds the teacher was scoring (a request in flight) since the previous step, beside sampling and
+    training (lib/orchestrator/teacher.py); None without a teacher."""
+    teacher_wait_seconds: float | None = None
+    """Of wait_seconds, those the teacher was scoring: at most what the step waited for it."""
 
     @property
     def num_resampled(self) -> int:
@@ -179,6 +187,11 @@ class StepBatch:
             "rollouts/staleness_max": self.staleness_max,
             "rollouts/errors": sum(self.errors_by_env.values()),
         }
+        if self.teacher_seconds is not None:
+            metrics["time/teacher"], metrics["time/wait_teacher"] = (
+                self.teacher_seconds,
+                self.teacher_wait_seconds,
+            )
         for name in env_names:
             mine = [group for group in self.groups if group[0].env == name]
             replaced = [group for group in self.replaced_groups if group[0].env == name]
@@ -209,8 +222,12 @@ class Buffer:
         max_async_level: int,
         advantage: AdvantageConfig | None = None,
         on_stale: Callable[[], None] | None = None,
+        train_flat: bool = False,
     ):
         assert examples_per_step > 0 and max_async_level >= 0, "bad buffer settings"
+        # Distillation: a flat group still carries the teacher's per-token signal, so it is trained on
+        # (with reward advantages 0); it is still counted as flat.
+        self.train_flat = train_flat
         self.examples_per_step = examples_per_step
         self.max_async_level = max_async_level
         self.advantage = advantage or AdvantageConfig()
@@ -257,7 +274,8 @@ class Buffer:
             rewards = {episode: r.reward for episode, r in zip(episodes, group)}
             if is_flat(list(rewards.values())):
                 num_flat += 1
-                continue
+                if not self.train_flat:
+                    continue
             advantages = group_advantages(
                 list(rewards.values()),
                 normalize=self.advantage.normalize == "group",

@@ -86,6 +86,17 @@ class LossConfig:
             import_loss(self.import_path)  # a path that names no function fails here, before any model loads
 
 
+@dataclasses.dataclass
+class DistillConfig:
+    reward_weight: float = 0.0
+    """On-policy distillation (--teacher.*): the weight of the environment's reward advantage beside the
+    teacher's per-token one (0 = pure distillation: the reward is logged, not trained on)."""
+
+    def __post_init__(self):
+        if self.reward_weight < 0:
+            raise UserError("distill.reward_weight must be >= 0.")
+
+
 # Everything below runs in the trainer; torch is imported lazily so `--help` stays fast.
 
 
@@ -135,6 +146,23 @@ def entropy(logits, temperature: float = 1.0, mask=None, chunk: int = 4096):
         ent = torch.zeros(keep.shape, dtype=torch.float32, device=logits.device)  # (B, T-1)
         ent[keep] = torch.cat(values) if values else ent.new_zeros(0)
         return torch.nn.functional.pad(ent, (1, 0))  # (B, T)
+
+
+def distill_advantages(adv, logp, teacher_logp, loss_mask, reward_weight: float):
+    """On-policy distillation's per-token advantage and the reverse KL it lowers, (B, T) each.
+
+    adv = reward_weight * the reward's advantage + (teacher_logp - logp), with logp the trainer's (detached):
+    through the policy loss, whose importance ratio corrects for the sampler, the gradient is the reverse
+    KL's, E_p[(log p - log q) grad log p], on the tokens the student sampled (Agarwal et al. 2024,
+    arXiv:2306.13649; Lu & Thinking Machines 2025; prime-rl's OPD). reverse_kl = logp - teacher_logp, the
+    per-token estimate of KL(student || teacher) (k1), 0 off the loss mask. The teacher's logprobs are of its
+    own distribution (temperature 1: vLLM's prompt_logprobs skip the sampling processors), the student's at
+    sampling.temperature, so the distribution the student samples from moves toward the teacher's.
+    """
+    import torch
+
+    reverse_kl = torch.where(loss_mask, logp.detach() - teacher_logp, 0.0)  # (B, T)
+    return reward_weight * adv - reverse_kl, reverse_kl  # (B, T), (B, T)
 
 
 def token_share(values, loss_mask, num_loss_tokens):

@@ -120,6 +120,8 @@ class MicroBatch:
     carry none (lib/trainer/head.py KeptSets)."""
     kept_ids: "torch.Tensor | None" = None
     """Served kept sets: every token's kept ids (int32, (K,)), one token after the other, rows in order."""
+    teacher_logp: "torch.Tensor | None" = None
+    """Distillation: the teacher's logprob of each token (float32), 0 off the loss mask; None without a teacher."""
 
     def to(self, device) -> "MicroBatch":
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -220,6 +222,13 @@ def rl_micro_batches(
     assert all(served) or not any(served), "some rollouts carry served kept sets and others none"
     if rollouts and all(served):
         columns["kept_counts"] = (column(lambda i: rollouts[i].kept_counts.tolist(), 0), 0, torch.int32)
+    scored = [r.teacher_logp is not None for r in rollouts]
+    assert all(scored) or not any(scored), "some rollouts carry the teacher's logprobs and others none"
+    if rollouts and all(scored):
+        teacher = column(
+            lambda i: [t if m else 0.0 for t, m in zip(rollouts[i].teacher_logp, rollouts[i].loss_mask)]
+        )
+        columns["teacher_logp"] = (teacher, 0.0, torch.float32)
     layout = row_layout([len(ids) for ids in columns["input_ids"][0]], seq_len, packing)
     micro_batches = []
     for first in range(0, len(layout), rows_per_micro_batch):

@@ -4,7 +4,7 @@ them, the backward that adds to the step's gradient, and the step's sums of its 
 import torch
 
 from lib.trainer import head
-from lib.trainer.loss import LossConfig, token_share
+from lib.trainer.loss import LossConfig, distill_advantages, token_share
 
 
 def train_micro_batch(
@@ -15,7 +15,8 @@ def train_micro_batch(
     over them, and the backward that adds its gradient to the step's. `sums` gathers the step's scalars
     (loss, entropy, the loss's metrics, outside_kept_set), every rank the same keys. `scoring`: temperature,
     kept (lib/trainer/head.py KeptSets or None), count_outside (the run has kept sets), reference (lib/trainer/head.py
-    Reference, for kl_coef), autocast and world_size."""
+    Reference, for kl_coef), distill (a DistillConfig when a teacher scored the rollouts, else None), autocast and
+    world_size."""
     kept, world_size, num_loss_tokens = scoring["kept"], scoring["world_size"], counts["num_loss_tokens"]
     # Before the policy's forward, whose activations it would otherwise sit beside.
     ref_logp = scoring["reference"].logp(mb, kept) if config.kl_coef else None
@@ -32,10 +33,21 @@ def train_micro_batch(
     extra = {"token_entropy": token_entropy} if config.entropy_coef else {}
     if ref_logp is not None:
         extra["ref_logp"] = torch.where(ref_logp.isneginf(), logp.detach(), ref_logp)  # (R, T)
+    adv, distill = mb.advantages, {}  # (R, T)
+    if (
+        scoring["distill"] is not None
+    ):  # on-policy distillation: the teacher's per-token advantage beside the reward's
+        assert mb.teacher_logp is not None or not mb.loss_mask.any(), "a rollout reached training unscored"
+        # An empty micro-batch carries no teacher logprobs: the inference ones stand in (no loss token).
+        teacher_logp = mb.inference_logp if mb.teacher_logp is None else mb.teacher_logp  # (R, T)
+        adv, reverse_kl = distill_advantages(
+            adv, logp, teacher_logp, mb.loss_mask, scoring["distill"].reward_weight
+        )
+        distill["distill/reverse_kl"] = token_share(reverse_kl, mb.loss_mask, num_loss_tokens)
     loss, metrics = compute_loss(
         logp,
         mb.inference_logp,
-        mb.advantages,
+        adv,
         mb.loss_mask,
         config=config,
         rollout_index=mb.rollout_index,
@@ -44,7 +56,8 @@ def train_micro_batch(
     )
     # FSDP averages gradients over ranks; the loss is already this rank's share of the mean.
     (loss * world_size).backward()
-    values = {"loss": loss, "entropy": token_share(token_entropy, mb.loss_mask, num_loss_tokens), **metrics}
+    entropy = token_share(token_entropy, mb.loss_mask, num_loss_tokens)
+    values = {"loss": loss, "entropy": entropy, **metrics, **distill}
     if scoring["count_outside"]:
         values["outside_kept_set"] = token_share(outside.float(), mb.loss_mask, num_loss_tokens)
     for name, value in values.items():
@@ -55,7 +68,7 @@ def train_step(
     model, optimizer, scheduler, micro_batches, counts: dict, *, cfg, kept_set: str, device: str, **scoring
 ):
     """rl.py's optimizer step (cfg: its Config) over this rank's micro-batches: (the step's sums, summed over
-    the ranks, and the learning rate). `scoring`: compute_loss, reference, autocast and world_size."""
+    the ranks, and the learning rate). `scoring`: compute_loss, reference, distill, autocast and world_size."""
     from lib import dist
     from lib.sampling import bounded
     from lib.trainer.optim import optimizer_step

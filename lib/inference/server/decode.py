@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from lib.inference.server.kv import kv_cache, layer_states, selected
+from lib.inference.server.scoring import prompt_logprobs
 
 # What JSON carries instead of -inf (a filtered-out token's logprob), as vLLM does.
 LOGPROB_FLOOR = -9999.0
@@ -43,6 +44,8 @@ class SamplingParams:
     """Keep the matched stop string at the end of the text."""
     sampling_mask: bool = False
     """Also return each sampled token's kept set: the ids top-k/top-p left (vLLM's --return-sampling-mask)."""
+    prompt_logprobs: int | None = None
+    """Also return each prompt token's logprob, with this many most likely tokens beside it (None = none)."""
 
 
 @dataclasses.dataclass
@@ -67,6 +70,8 @@ class Completion:
     """(label, start, end): tokens [start, end) were sampled by the weights labelled so (vLLM's spans)."""
     sampling_mask: list[list[int]] | None = None
     """Per sampled token, the ids its top-k/top-p step kept, ascending (vLLM's `sampling_mask`); None unless asked."""
+    prompt_logprobs: list[list[tuple[int, float, int]]] | None = None
+    """Per prompt token after the first, (token, logprob, rank) of it and the most likely ones (scoring.py); None unless asked."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -87,6 +92,7 @@ class Sequence:
     kept_ids: list[list[int]] = dataclasses.field(default_factory=list)
     text: str | None = None
     version_starts: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # (label, first token)
+    prompt_logprobs: list | None = None  # scoring.py's, when params.prompt_logprobs asks for them
 
 
 @dataclasses.dataclass(eq=False)
@@ -231,6 +237,11 @@ class Decoder:
         return cache, mask, out.logits[:, -1]
 
     def prefill(self, seqs: list[Sequence], label: str, finished: Finished) -> Batch | None:
+        for seq in seqs:  # under the weights that sample its first token, as vLLM scores them in its prefill
+            if seq.params.prompt_logprobs is not None:
+                seq.prompt_logprobs = prompt_logprobs(
+                    self.model, self.cache(), seq.prompt_ids, seq.params.prompt_logprobs
+                )
         cache, mask, logits = self.forward([seq.prompt_ids for seq in seqs])
         settings = []  # (temperature, top_k, top_p) per row
         for seq in seqs:
@@ -342,8 +353,9 @@ class Decoder:
         spans = [(label, start, end) for (label, start), end in zip(seq.version_starts, ends)]
         kept = seq.kept_ids if seq.params.sampling_mask else None
         return Completion(
-            seq.token_ids, seq.logprobs, seq.ranks, seq.top_logprobs, text, reason, stop_reason, spans, kept
-        )
+            seq.token_ids, seq.logprobs, seq.ranks, seq.top_logprobs, text, reason, stop_reason, spans, kept,
+            seq.prompt_logprobs,
+        )  # fmt: skip
 
     def select(self, batch: Batch, keep: list[int]) -> Batch:
         """Keeps the given rows, and drops the left columns that are padding in every remaining row (a

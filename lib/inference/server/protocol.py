@@ -26,7 +26,7 @@ UNSUPPORTED_OPTIONS_OFF = {
     "use_beam_search": False,
     "echo": False,
     "suffix": None,
-    "prompt_logprobs": None,
+    "prompt_logprobs": None,  # served on /v1/completions (CompletionRequest), refused elsewhere
 }
 # Fields of vLLM's answers for features the builtin engine does not have: null, as vLLM's are when unused.
 NULL_FEATURE_FIELDS = {"kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
@@ -92,7 +92,10 @@ class SamplingFields(BaseModel):
 
     def to_params(self, prompt_length: int, max_model_len: int, top_logprobs: int) -> SamplingParams:
         """The engine's SamplingParams; `logprobs` limits (the server's max_logprobs) are the caller's to check."""
+        scores_prompts = isinstance(self, CompletionRequest)
         for name, off in UNSUPPORTED_OPTIONS_OFF.items():
+            if name == "prompt_logprobs" and scores_prompts:
+                continue
             value = getattr(self, name, None)
             if value not in (None, off) and value != {}:
                 raise UserError(f"{name} is not supported by the builtin engine.")
@@ -114,6 +117,7 @@ class SamplingFields(BaseModel):
             top_logprobs=top_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            prompt_logprobs=self.prompt_logprobs if scores_prompts else None,
         )
 
 
@@ -343,10 +347,27 @@ def completion_choice(
         "finish_reason": completion.finish_reason,
         "stop_reason": completion.stop_reason,
         "token_ids": completion.token_ids if body.return_token_ids else None,
-        "prompt_logprobs": None,
+        "prompt_logprobs": prompt_entries(completion, prompt_ids, tokenizer),
         "prompt_token_ids": prompt_ids if body.return_token_ids else None,
         "routed_experts": None,
     }
+
+
+def prompt_entries(completion: Completion, prompt_ids: list[int], tokenizer: Tokenizer) -> list | None:
+    """vLLM's prompt_logprobs: None for the first prompt token, then {token id: {logprob, rank, decoded_token}}
+    per token, the token itself first; -inf as LOGPROB_FLOOR (vLLM's clamp_prompt_logprobs)."""
+    if completion.prompt_logprobs is None:
+        return None
+    entries: list[dict | None] = [None]
+    for listed in completion.prompt_logprobs:
+        names = tokenizer.token_strings([token for token, _, _ in listed])
+        entries.append(
+            {
+                str(token): {"logprob": max(logprob, LOGPROB_FLOOR), "rank": rank, "decoded_token": name}
+                for (token, logprob, rank), name in zip(listed, names)
+            }
+        )
+    return entries
 
 
 def generate_choice(index: int, completion: Completion, k: int | None) -> dict:

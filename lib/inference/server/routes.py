@@ -210,6 +210,14 @@ def build_app(
             raise UserError("prompt must not be empty.")
         prompts = [engine.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
         top = check_logprobs(body.logprobs, "logprobs")
+        if body.prompt_logprobs is not None:  # vLLM's checks (vllm/entrypoints/openai/completion/protocol.py)
+            if body.prompt_logprobs < 0:
+                raise UserError(
+                    "prompt_logprobs must be >= 0 (vLLM's -1, the whole vocabulary, is not served here)."
+                )
+            if body.stream and body.prompt_logprobs > 0:
+                raise UserError("`prompt_logprobs` are not available when `stream=True`.")
+            check_logprobs(body.prompt_logprobs, "prompt_logprobs")
         params = [body.to_params(len(ids), engine.max_model_len, top) for ids in prompts]
         for ids, p in zip(prompts, params):  # refuse the whole request before any of it runs
             engine.check(ids, p)
