@@ -36,17 +36,24 @@ def is_healthy(base_url: str, api_key: str | None = None, timeout: float = 2.0) 
     return response.status_code == 200
 
 
-def answered(root: str, path: str, timeout: float, request) -> httpx.Response:
-    """request()'s response from the server at `root`, or a one-sentence ValueError when it did not answer
-    `path` within `timeout` seconds (frozen) or could not be reached (stopped)."""
+@contextlib.contextmanager
+def reaching(server: str, doing: str, timeout: float):
+    """Turns a request's timeout or transport error inside the block into one sentence (a UserError): `server`
+    ("the inference server URL") did not `doing` ("answer /health") within `timeout` seconds (frozen), or could
+    not be reached (stopped). Sync and async requests alike."""
     try:
-        return request()
+        yield
     except httpx.TimeoutException:
-        raise UserError(
-            f"the inference server {root} did not answer {path} within {timeout:.0f} s (is it frozen?)"
-        ) from None
+        raise UserError(f"{server} did not {doing} within {timeout:.0f} s (is it frozen?)") from None
     except httpx.TransportError as error:
-        raise UserError(f"the inference server {root} is not reachable ({error}): did it stop?") from None
+        raise UserError(f"{server} is not reachable ({error}): did it stop?") from None
+
+
+def answered(root: str, path: str, timeout: float, request) -> httpx.Response:
+    """request()'s response from the server at `root`, or a one-sentence UserError when it did not answer
+    `path` within `timeout` seconds (frozen) or could not be reached (stopped)."""
+    with reaching(f"the inference server {root}", f"answer {path}", timeout):
+        return request()
 
 
 def check_servers(urls: list[str], api_key: str | None = None, timeout: float = 5.0) -> None:

@@ -91,14 +91,8 @@ class Teacher:
         index = next(self.turn)
         url, root = self.urls[index], endpoint.root_url(self.urls[index])
         body = {"model": self.names[index], "prompt": token_ids, "max_tokens": 1, "prompt_logprobs": 0}
-        try:
+        with endpoint.reaching(f"the teacher server {root}", "score a rollout", SCORE_TIMEOUT_S):
             response = await http.post(f"{url}/completions", json=body)
-        except httpx.TimeoutException:
-            raise UserError(
-                f"the teacher server {root} did not score a rollout within {SCORE_TIMEOUT_S:.0f} s (is it frozen?)"
-            ) from None
-        except httpx.TransportError as error:
-            raise UserError(f"the teacher server {root} is not reachable ({error}): did it stop?") from None
         if response.status_code != 200:
             raise UserError(
                 f"the teacher server {root} refused to score a rollout of {len(token_ids)} tokens "

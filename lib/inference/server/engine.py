@@ -22,10 +22,9 @@ log = logging.getLogger(__name__)
 # From idle, the first batch starts once requests stop arriving for BURST_GAP_S, or after BURST_WAIT_S.
 BURST_GAP_S = 0.005
 BURST_WAIT_S = 0.1
-# Beside a running batch, waiting sequences join it once there are at least 1/ADMIT_SHARE as many as it has
-# rows, or after ADMIT_AFTER_STEPS decode steps. Each join prefills the newcomers together and re-lays the
-# whole KV cache: an evaluation's 256 requests, 32 at a time, joined ~2 at a time, and the joins and small
-# prefills took over half of its time (SmolLM2, float32, 2 cores; docs/benchmarks.md).
+# Waiting sequences join a running batch once they are 1/ADMIT_SHARE of its rows, or after ADMIT_AFTER_STEPS
+# decode steps: each join re-lays the whole KV cache, and an evaluation's requests joining ~2 at a time spent
+# over half its time in joins and small prefills (SmolLM2, float32, 2 cores; docs/benchmarks.md).
 ADMIT_SHARE = 4
 ADMIT_AFTER_STEPS = 8
 
