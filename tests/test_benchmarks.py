@@ -135,3 +135,39 @@ def test_gather_gpu_wheels_refuses_a_folder_it_did_not_write_and_removes_no_whee
     assert exit_.value.code == 2 and (out / "mine-1.0-py3-none-any.whl").is_file()
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "mine-1.0-py3-none-any.whl" in error
+
+
+def test_reasoning_gym_table_gives_paired_gains_in_standard_errors_and_counts_those_over_their_bar(
+    tmp_path, capsys, monkeypatch
+):
+    """The table's line for a task from its evaluations' records: rewards, each gain with its size in standard
+    errors of the paired differences, "-" where an evaluation is missing; the tally counts a gain over its bar."""
+    bench = load_benchmark("rl/reasoning_gym_table.py")
+    out = tmp_path / "gcd"
+    rewards = {  # per problem: the base never scores, SFT gets half, RL two more in ten
+        "base": [0.0] * 40,
+        "after-sft": [float(i % 2) for i in range(40)],
+        "after-rl": [float(i % 2 or i % 10 in (2, 4)) for i in range(40)],
+    }
+    for name, values in rewards.items():
+        for into in (out / "eval" / name, out / "eval" / f"{name}-greedy"):
+            into.mkdir(parents=True)
+            lines = [
+                json.dumps({"task_id": f"t{i}", "rollout": 0, "reward": r}) for i, r in enumerate(values)
+            ]
+            (into / "results.jsonl").write_text("\n".join(lines) + "\n")
+            summary = {"status": "ok", "avg_reward": sum(values) / len(values)}
+            (into / "summary.json").write_text(json.dumps(summary))
+    (out / "inputs.json").write_text(json.dumps({"minutes": {"sft": 2.5, "rl": 3.0, "eval base": 1.5}}))
+    monkeypatch.setattr(
+        sys, "argv", ["reasoning_gym_table.py", "--table", "--tasks", "gcd", "--out", str(tmp_path)]
+    )
+    bench.main()
+    printed = capsys.readouterr().out
+    [line] = [line for line in printed.splitlines() if line.startswith("| `gcd`")]
+    cells = [cell.strip() for cell in line.strip("|").split("|")]
+    assert cells[1:5] == ["0.000 (0.000)", "0.500 (0.500)", "0.700 (0.700)", "-"]
+    # SFT+RL - base: mean 0.7, sd of the differences sqrt(0.7 * 0.3 * 40 / 39): 9.5 standard errors.
+    assert cells[5].startswith("+0.700 (+9.5)") and cells[6].startswith("+0.200 (+3.1)") and cells[7] == "-"
+    assert cells[8] == "2.5/3.0/-, evals 1.5"
+    assert "after-rl - base > 4 se: 1, after-rl - after-sft > 2 se: 1" in printed
