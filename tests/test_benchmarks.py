@@ -171,3 +171,9 @@ def test_reasoning_gym_table_gives_paired_gains_in_standard_errors_and_counts_th
     assert cells[5].startswith("+0.700 (+9.5)") and cells[6].startswith("+0.200 (+3.1)") and cells[7] == "-"
     assert cells[8] == "2.5/3.0/-, evals 1.5"
     assert "after-rl - base > 4 se: 1, after-rl - after-sft > 2 se: 1" in printed
+    # With a longer RL run asked for and not made yet: its reward, its gain and its minutes are "-".
+    monkeypatch.setattr(sys, "argv", [*sys.argv, "--more-rl-steps", "40"])
+    bench.main()
+    [line] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| `gcd`")]
+    cells = [cell.strip() for cell in line.strip("|").split("|")]
+    assert cells[5] == "-" and cells[9] == "-" and cells[10] == "2.5/3.0/-/-, evals 1.5"

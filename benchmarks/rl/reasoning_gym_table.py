@@ -185,9 +185,8 @@ def row(demo, task: str, out: Path, counts: dict, more: int | None) -> str:
         return "; ".join(said)
 
     took = minutes(out / "inputs.json")
-    stage_minutes = "/".join(
-        f"{took[name]:.1f}" if name in took else "-" for name in ("sft", "rl", "rl-alone")
-    )
+    trained = ("sft", "rl", "rl-alone") + ((f"rl{more}",) if more else ())
+    stage_minutes = "/".join(f"{took[name]:.1f}" if name in took else "-" for name in trained)
     evals = sum(value for name, value in took.items() if name.startswith("eval "))
     cells = [f"`{task}`", *(rewards(name) for name in names)]
     cells += [gain(before, after, bar) for before, after, bar in gains]
