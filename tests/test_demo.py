@@ -186,12 +186,12 @@ def test_an_interrupted_sft_stage_continues_from_its_last_checkpoint(toy_demo):
     for name in ("weights", "checkpoints"):
         shutil.rmtree(sft / name / "step_4")
         assert (sft / name / "step_3").is_dir()
+
     # The record (inputs.json) changes too: it keeps the minutes of each stage's last run, SFT's now.
-    later = {
-        name: stamp
-        for name, stamp in files(out).items()
-        if not name.startswith("sft/") and name != demo.INPUTS
-    }
+    def outside_sft() -> dict:
+        return {n: stamp for n, stamp in files(out).items() if not n.startswith("sft/") and n != demo.INPUTS}
+
+    later = outside_sft()
     minutes_before = demo.minutes(out / demo.INPUTS)
     printed = run_demo(demo.Config(out=out, **TOY))
     (sft_command,) = [line for line in printed.splitlines() if line.startswith("$ python scripts/sft.py")]
@@ -199,12 +199,7 @@ def test_an_interrupted_sft_stage_continues_from_its_last_checkpoint(toy_demo):
     assert (sft / "weights" / "step_4" / "config.json").is_file()
     assert (sft / "checkpoints" / "step_4").is_dir()
     assert not (sft / "restarted").exists()  # where a start from step 0 would have moved steps 1-3
-    now = {
-        name: stamp
-        for name, stamp in files(out).items()
-        if not name.startswith("sft/") and name != demo.INPUTS
-    }
-    assert now == later
+    assert outside_sft() == later
     minutes = demo.minutes(out / demo.INPUTS)
     assert minutes.keys() == minutes_before.keys() and minutes["sft"] > 0
     assert {k: v for k, v in minutes.items() if k != "sft"} == {

@@ -39,6 +39,24 @@ TASKSET = ROOT / "lib" / "orchestrator" / "tasksets" / "plainrl_reasoning_gym"
 EVALS = [("base", None), ("after-sft", "sft"), ("after-rl", "rl"), ("after-rl-alone", "rl-alone")]
 # The gains the table gives, each with the bar (in standard errors of the paired differences) it is held to.
 GAINS = [("base", "after-rl", 4), ("after-sft", "after-rl", 2), ("base", "after-rl-alone", 4)]
+LABELS = {"base": "base", "after-sft": "SFT", "after-rl": "SFT+RL", "after-rl-alone": "RL alone"}
+STAGE_LABELS = {"sft": "SFT", "rl": "RL", "rl-alone": "RL alone"}
+
+
+def layout(more: int | None) -> tuple[list[str], list[tuple], dict[str, str], dict[str, str]]:
+    """The table's evaluations, gains (before, after, bar), their labels and its trained stages' labels; with
+    `more`, the longer RL run's too."""
+    names, gains, labels, stages = [name for name, _ in EVALS], list(GAINS), dict(LABELS), dict(STAGE_LABELS)
+    if more:
+        names.append(f"after-rl{more}")
+        gains.append(("after-sft", f"after-rl{more}", 2))
+        labels[f"after-rl{more}"], stages[f"rl{more}"] = f"SFT+RL, {more} steps", f"{more} steps"
+    return names, gains, labels, stages
+
+
+def evaluated(demo, run_dir: Path) -> bool:
+    """Whether an evaluation finished, sampled and greedy both."""
+    return demo.evaluated(run_dir) and demo.evaluated(demo.greedy(run_dir))
 
 
 def stages(demo, task: str, out: Path, sft_steps: int, rl_steps: int, seed: int, more: int | None) -> list:
@@ -112,14 +130,16 @@ def stages(demo, task: str, out: Path, sft_steps: int, rl_steps: int, seed: int,
         run_dir = out / "eval" / name
         stage = made(
             f"eval {name}",
-            lambda run_dir=run_dir: demo.evaluated(run_dir) and demo.evaluated(demo.greedy(run_dir)),
+            lambda run_dir=run_dir: evaluated(demo, run_dir),
             evals(run_dir, weights[trained_by]),
             weights[trained_by],
         )
         at = 0 if trained_by is None else 1 + next(i for i, s in enumerate(every) if s.name == trained_by)
         every.insert(at, stage)
     if more:
-        longer = out / f"rl{more}"
+        longer, run_dir = out / f"rl{more}", out / "eval" / f"after-rl{more}"
+        weights[longer.name] = longer / "weights" / f"step_{more}"
+        command = rl(longer.name, weights["sft"], more)
 
         def continuing() -> None:
             if not longer.exists():  # the shorter run's last checkpoint and records, to resume from
@@ -130,11 +150,7 @@ def stages(demo, task: str, out: Path, sft_steps: int, rl_steps: int, seed: int,
                     shutil.copy2(out / "rl" / part, longer / part)
             demo.run(*command)
 
-        run_dir, weights[longer.name] = (
-            out / "eval" / f"after-{longer.name}",
-            longer / "weights" / f"step_{more}",
-        )
-        command = rl(longer.name, weights["sft"], more)
+        settings = [resolved_command(command, out)]
         every.append(
             Stage(
                 longer.name,
@@ -142,13 +158,13 @@ def stages(demo, task: str, out: Path, sft_steps: int, rl_steps: int, seed: int,
                 continuing,
                 (weights["rl"], TASKSET),
                 longer,
-                [resolved_command(command, out)],
+                settings,
             )
         )
         every.append(
             made(
-                f"eval after-{longer.name}",
-                lambda: demo.evaluated(run_dir) and demo.evaluated(demo.greedy(run_dir)),
+                f"eval {run_dir.name}",
+                lambda: evaluated(demo, run_dir),
                 evals(run_dir, weights[longer.name]),
                 weights[longer.name],
             )
@@ -163,10 +179,9 @@ def row(demo, task: str, out: Path, counts: dict, more: int | None) -> str:
     from lib.orchestrator.evaluation import paired_gain
     from lib.stages import minutes
 
-    names = [name for name, _ in EVALS] + ([f"after-rl{more}"] if more else [])
-    gains = GAINS + ([("after-sft", f"after-rl{more}", 2)] if more else [])
+    names, gains, _, trained = layout(more)
     dirs = {name: out / "eval" / name for name in names}
-    done = {name for name, d in dirs.items() if demo.evaluated(d) and demo.evaluated(demo.greedy(d))}
+    done = {name for name, run_dir in dirs.items() if evaluated(demo, run_dir)}
 
     def rewards(name: str) -> str:
         if name not in done:
@@ -185,7 +200,6 @@ def row(demo, task: str, out: Path, counts: dict, more: int | None) -> str:
         return "; ".join(said)
 
     took = minutes(out / "inputs.json")
-    trained = ("sft", "rl", "rl-alone") + ((f"rl{more}",) if more else ())
     stage_minutes = "/".join(f"{took[name]:.1f}" if name in took else "-" for name in trained)
     evals = sum(value for name, value in took.items() if name.startswith("eval "))
     cells = [f"`{task}`", *(rewards(name) for name in names)]
@@ -224,17 +238,16 @@ def main() -> None:
                 every = stages(demo, task, out, args.sft_steps, args.rl_steps, args.seed, args.more_rl_steps)
                 every = [s for s in every if not any(s.name.endswith(name) for name in later[passing:])]
                 run_stages(every, out / "inputs.json", f"{task} in {out}")
+    more = args.more_rl_steps
+    names, gains, labels, trained = layout(more)
+    header = [labels[name] for name in names] + [
+        f"{labels[after]} - {labels[before]}" for before, after, _ in gains
+    ]
+    header = ["task", *header, "minutes: " + "/".join(trained.values())]
     print(
         f"\nheld-out reward on the test split, sampled (greedy), {args.sft_steps} SFT steps, {args.rl_steps} RL "
         "steps; gains paired over the same problems, (their size in standard errors)\n\n"
-        "| task | base | SFT | SFT+RL | RL alone"
-        + (f" | SFT+RL, {more} steps" if (more := args.more_rl_steps) else "")
-        + " | SFT+RL - base | SFT+RL - SFT | RL alone - base"
-        + (f" | {more} steps - SFT" if more else "")
-        + " | minutes: SFT/RL/RL alone"
-        + (f"/{more} steps" if more else "")
-        + " |\n|"
-        + "---|" * (11 if more else 9)
+        f"| {' | '.join(header)} |\n|" + "---|" * len(header)
     )
     counts = collections.Counter()
     for task in args.tasks:
