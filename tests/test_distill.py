@@ -124,8 +124,11 @@ def test_a_random_student_distilled_toward_a_trained_teacher_across_a_resume(
     first = steps[1]["distill/reverse_kl"]
     last = sum(steps[step]["distill/reverse_kl"] for step in (18, 19, 20)) / 3
     print(f"\ndistill/reverse_kl {first:.3f} -> {last:.3f} (steps 18-20)")
-    # Measured on 2 cores: 4.97 -> 3.40 (0.68x); 64 rollouts a step on-policy, 5.07 -> 3.15; lr 3e-2 unstable.
-    assert last < 0.8 * first
+    # Measured on 2 cores, 14 runs of 20 steps (these settings, seeds 0-1, on-policy, lr 5e-3 to 2e-2, cosine,
+    # 64 rollouts a step): 0.41x-0.51x, median 0.45x, below half in 13 of 14; it levels off near 2.3 nats by
+    # step ~12, where the student writes reversed-looking text but not yet the answer tags, so the held-out
+    # reward stays 0 (60 steps: still 0). The bound leaves room for that spread.
+    assert last < 0.6 * first
     assert all(line["time/teacher"] > 0 for line in steps.values())
     assert (out / "teacher.log").is_file()
 
