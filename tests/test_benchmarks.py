@@ -137,6 +137,17 @@ def test_gather_gpu_wheels_refuses_a_folder_it_did_not_write_and_removes_no_whee
     assert error.count("\n") == 1 and "mine-1.0-py3-none-any.whl" in error
 
 
+def write_evaluation(run_dir, values: list[float]) -> None:
+    """An evaluation eval.py could have written, sampled and greedy alike: one reward per problem."""
+    for into in (run_dir, run_dir.with_name(run_dir.name + "-greedy")):
+        into.mkdir(parents=True)
+        lines = [json.dumps({"task_id": f"t{i}", "rollout": 0, "reward": r}) for i, r in enumerate(values)]
+        (into / "results.jsonl").write_text("\n".join(lines) + "\n")
+        (into / "summary.json").write_text(
+            json.dumps({"status": "ok", "avg_reward": sum(values) / len(values)})
+        )
+
+
 def test_reasoning_gym_table_gives_paired_gains_in_standard_errors_and_counts_those_over_their_bar(
     tmp_path, capsys, monkeypatch
 ):
@@ -150,14 +161,7 @@ def test_reasoning_gym_table_gives_paired_gains_in_standard_errors_and_counts_th
         "after-rl": [float(i % 2 or i % 10 in (2, 4)) for i in range(40)],
     }
     for name, values in rewards.items():
-        for into in (out / "eval" / name, out / "eval" / f"{name}-greedy"):
-            into.mkdir(parents=True)
-            lines = [
-                json.dumps({"task_id": f"t{i}", "rollout": 0, "reward": r}) for i, r in enumerate(values)
-            ]
-            (into / "results.jsonl").write_text("\n".join(lines) + "\n")
-            summary = {"status": "ok", "avg_reward": sum(values) / len(values)}
-            (into / "summary.json").write_text(json.dumps(summary))
+        write_evaluation(out / "eval" / name, values)
     (out / "inputs.json").write_text(json.dumps({"minutes": {"sft": 2.5, "rl": 3.0, "eval base": 1.5}}))
     monkeypatch.setattr(
         sys, "argv", ["reasoning_gym_table.py", "--table", "--tasks", "gcd", "--out", str(tmp_path)]
@@ -177,3 +181,71 @@ def test_reasoning_gym_table_gives_paired_gains_in_standard_errors_and_counts_th
     [line] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| `gcd`")]
     cells = [cell.strip() for cell in line.strip("|").split("|")]
     assert cells[5] == "-" and cells[9] == "-" and cells[10] == "2.5/3.0/-/-, evals 1.5"
+
+
+def test_distill_vs_rl_scores_only_the_best_runs_curve_and_judges_both_targets(tmp_path, capsys, monkeypatch):
+    """Every run is scored at its last step; only the best learning rate of each method and start also every
+    --eval-every steps. The tables and the two targets from made-up evaluation records."""
+    bench = load_benchmark("rl/distill_vs_rl.py")
+    out, demo_dir = tmp_path / "out", tmp_path / "demo"
+    flags = ["--out", str(out), "--demo", str(demo_dir), "--steps", "60", "--eval-every", "20"]
+    flags += ["--distill-lrs", "1e-5", "3e-5", "--rl-lrs", "3e-5"]
+    monkeypatch.setattr(sys, "argv", ["distill_vs_rl.py", "--table", *flags])
+
+    def share(reward: float) -> list[float]:  # 40 problems, that share of them right
+        return [float(i < reward * 40) for i in range(40)]
+
+    evaluations = {
+        "teacher": 0.5,
+        "start-sft": 0.3,
+        "start-base": 0.05,
+        "sft-distill-lr1e-5/step_60": 0.4,
+        "sft-distill-lr3e-5/step_20": 0.475,  # the teacher's - 0.05 = 0.45 by step 20
+        "sft-distill-lr3e-5/step_40": 0.5,
+        "sft-distill-lr3e-5/step_60": 0.5,
+        "sft-rl-lr3e-5/step_20": 0.35,
+        "sft-rl-lr3e-5/step_40": 0.425,
+        "sft-rl-lr3e-5/step_60": 0.475,  # RL by step 60: distillation in a third of its steps
+        "base-distill-lr1e-5/step_60": 0.2,
+        "base-distill-lr3e-5/step_60": 0.4,
+        "base-rl-lr3e-5/step_60": 0.1,
+    }
+    for name, reward in evaluations.items():
+        write_evaluation(out / "eval" / name, share(reward))
+    (out / "sft" / "distill-lr3e-5").mkdir(parents=True)
+    steps = [json.dumps({"step": step, "time/step": 6.0}) for step in range(1, 61)]
+    (out / "sft" / "distill-lr3e-5" / "metrics.jsonl").write_text("\n".join(steps) + "\n")
+    bench.main()
+    printed = capsys.readouterr().out
+    row = next(line for line in printed.splitlines() if line.startswith("| distill, lr 3e-5 (best)"))
+    assert [cell.strip() for cell in row.strip("|").split("|")][1:] == [
+        "0.300 (0.300)", "0.475 (0.475)", "0.500 (0.500)", "0.500 (0.500)", "6.0"
+    ]  # fmt: skip
+    assert "| distill, lr 1e-5 | 0.300 (0.300) | - | - | 0.400 (0.400) | - |" in printed
+    assert "distillation at step 20, 2.0 min, RL at step 60" in printed and ": met (distillation" in printed
+    # From the base model at step 60: 0.4 - 0.1 over 40 problems, 12 right only after distillation.
+    assert "distillation - RL: +0.300 +- 0.073 (+4.1 se): met" in printed
+
+    # The stages: the best runs' curves are scored, the other learning rate's last step only.
+    for weights in (demo_dir / "rl" / "weights" / "step_60", demo_dir / "sft" / "weights" / "step_100"):
+        weights.mkdir(parents=True)
+        (weights / "config.json").write_text("{}")
+    demo = bench.load_script("demo")
+    cfg = demo.resolved(demo.Config(out=demo_dir))
+    args = type("Args", (), {"out": out, "demo": demo_dir, "steps": 60, "eval_every": 20, "seed": 0})
+    args.distill_lrs, args.rl_lrs = ["1e-5", "3e-5"], ["3e-5"]
+    names = [stage.name for stage in bench.stages(demo, args, cfg, curves=True)]
+    assert "eval sft-distill-lr3e-5 step 20" in names and "eval base-rl-lr3e-5 step 40" in names
+    assert "eval sft-distill-lr1e-5" in names and "eval sft-distill-lr1e-5 step 20" not in names
+    first = bench.stages(demo, args, cfg, curves=False)
+    assert not [stage.name for stage in first if " step " in stage.name]
+    settings = {stage.name: stage.settings[0] for stage in first if stage.name.startswith("sft-")}
+    distill, rl = settings["sft-distill-lr3e-5"], settings["sft-rl-lr3e-5"]
+    assert (
+        distill["teacher"]["model"] == str(demo_dir / "rl" / "weights" / "step_60")
+        and not rl["teacher"]["model"]
+    )
+    # The weights of steps 20, 40 and 60 outlive the run, for the curve of whichever learning rate is best.
+    assert (
+        distill["checkpoint_every"] == 20 and distill["keep_weights"] >= 3 and distill["optim"]["lr"] == 3e-5
+    )
