@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import ROOT, load_script
 
+from lib import endpoint
 from lib.config import UserError, parse
 from lib.inference import launch
 from lib.orchestrator.rollouts import Rollout
@@ -182,3 +183,59 @@ def test_a_teacher_killed_mid_run_ends_it_in_seconds_with_one_sentence(tiny_dir,
     seconds, sentence = time.monotonic() - killed["at"], str(ended.value)
     print(f"\ndead teacher: the run ended {seconds:.1f} s after kill -9: {sentence}")
     assert "teacher" in sentence and "\n" not in sentence and seconds < 40
+
+
+def test_a_lora_student_with_two_attached_teachers_that_share_the_scoring_until_one_freezes(
+    tiny_dir, trained_tiny, tmp_path, monkeypatch
+):
+    """LoRA, several teacher servers and a frozen one in one run: the rollouts are scored on both servers in
+    turn, the adapter trains on the distillation advantage, and a teacher that stops (SIGSTOP) ends the run
+    within seconds, in one sentence naming it."""
+    teachers = [
+        launch.start_server(str(trained_tiny), engine="torch", log_path=tmp_path / f"teacher{i}.log")
+        for i in range(2)
+    ]
+    scored = {teacher.url: 0 for teacher in teachers}
+    score = Teacher.score
+
+    class Counted:  # the client of the real requests, counting them by the server each goes to
+        def __init__(self, http):
+            self.http = http
+
+        async def post(self, url, **kwargs):
+            scored[url.removesuffix("/completions")] += 1
+            return await self.http.post(url, **kwargs)
+
+    async def counted(self, http, token_ids):
+        return await score(self, Counted(http), token_ids)
+
+    out = tmp_path / "frozen"
+    args = distill_args(tiny_dir, trained_tiny, out, "--steps", "40", "--lora.rank", "8", "--teacher.urls")
+    args += [teacher.url for teacher in teachers]
+    args[args.index("--teacher.model") : args.index("--teacher.model") + 2] = []
+    frozen = {}
+
+    def freeze_after_step_5():
+        while not (out / "checkpoints" / "step_5").is_dir():
+            time.sleep(0.05)
+        frozen["scored"] = dict(scored)
+        os.kill(teachers[1].process.pid, signal.SIGSTOP)
+        frozen["at"] = time.monotonic()
+
+    monkeypatch.setattr(Teacher, "score", counted)
+    threading.Thread(target=freeze_after_step_5, daemon=True).start()
+    try:
+        with pytest.raises(UserError) as ended:
+            rl.main(parse(rl.Config, args))
+    finally:
+        for teacher in teachers:
+            teacher.stop()
+    seconds, sentence = time.monotonic() - frozen["at"], str(ended.value)
+    print(
+        f"\nscored by each teacher before the freeze: {frozen['scored']}; ended {seconds:.1f} s after: {sentence}"
+    )
+    assert all(count > 0 for count in frozen["scored"].values()), "both teachers scored rollouts"
+    assert endpoint.root_url(teachers[1].url) in sentence and "\n" not in sentence and seconds < 40
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines if "distill/reverse_kl" in line][:5] == [1, 2, 3, 4, 5]
+    assert list(out.glob("weights/step_*/adapter_model.safetensors")), "the adapter is what syncs"
