@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from lib.inference.server.kv import kv_cache, layer_states, selected
+from lib.inference.server.kv import kv_cache, selected, stacked
 from lib.inference.server.scoring import prompt_logprobs
 
 # What JSON carries instead of -inf (a filtered-out token's logprob), as vLLM does.
@@ -133,15 +133,12 @@ SPAN = 256
 
 def draw(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """A token a row from exp(logprobs) (B, V), by inverse transform: the first token whose cumulative
-    probability passes the row's uniform number in [0, 1) (B,). The same distribution as vLLM's exponential
-    race, argmax(p / E) with E ~ Exp(1), at one random number a row instead of one a token (Exp(1) noise for
-    64 rows of SmolLM2's 49,152 tokens took a third of a decode step on a CPU). The search runs in two
-    levels: float32 sums of SPAN tokens, added up in float64 over the spans, pick a span; a float64
-    cumulative sum inside it picks the token, at the same share of the span's mass. The two levels' totals
-    differ by the float32 sum's rounding (~1e-7 of the span's); the share spreads it over the span's tokens
-    in proportion, so each is drawn with its probability to that relative precision (and 1e-16 of float64),
-    however small it is, and a token of probability 0 (filtered out) is never drawn. A float64 cumulative sum of the whole
-    vocabulary took 1.8x as long (64 rows of SmolLM2, one thread)."""
+    probability passes the row's uniform number in [0, 1) (B,). vLLM's exponential race (argmax p / E, E ~
+    Exp(1)) draws from the same distribution at one random number a token; its noise for 64 rows of SmolLM2's
+    49,152 tokens took a third of a CPU decode step. Two levels: float32 sums of SPAN tokens, added in float64,
+    pick a span; a float64 cumulative sum inside it picks the token at the same share of the span's mass, so
+    the float32 rounding (~1e-7 of a span) spreads over its tokens in proportion, and a token of probability 0
+    (filtered out) is never drawn. A float64 cumulative sum of the whole vocabulary took 1.8x as long."""
     probs = logprobs.exp()  # (B, V)
     if probs.shape[-1] % SPAN:
         probs = F.pad(probs, (0, SPAN - probs.shape[-1] % SPAN))  # zeros are never drawn
@@ -237,12 +234,22 @@ class Decoder:
         return cache, mask, out.logits[:, -1]
 
     def prefill(self, seqs: list[Sequence], label: str, finished: Finished) -> Batch | None:
-        for seq in seqs:  # under the weights that sample its first token, as vLLM scores them in its prefill
-            if seq.params.prompt_logprobs is not None:
-                seq.prompt_logprobs = prompt_logprobs(
-                    self.model, self.cache(), seq.prompt_ids, seq.params.prompt_logprobs
-                )
-        cache, mask, logits = self.forward([seq.prompt_ids for seq in seqs])
+        # A prompt scored for its logprobs (a teacher's request) runs alone through scoring.py, whose forward's KV
+        # cache and last logits are its prefill (under the weights that sample its first token, as in vLLM's).
+        scored = [seq for seq in seqs if seq.params.prompt_logprobs is not None]
+        plain = [seq for seq in seqs if seq not in scored]
+        parts = [self.forward([seq.prompt_ids for seq in plain])] if plain else []  # (cache, mask, logits)
+        for seq in scored:
+            cache = self.cache()
+            seq.prompt_logprobs, last = prompt_logprobs(
+                self.model, cache, seq.prompt_ids, seq.params.prompt_logprobs
+            )
+            parts.append(
+                (cache, torch.ones(1, len(seq.prompt_ids), dtype=torch.long, device=self.device), last[None])
+            )
+        seqs = plain + scored
+        cache, mask = self.stacked([part[:2] for part in parts])
+        logits = torch.cat([part[2] for part in parts])  # (B, V)
         settings = []  # (temperature, top_k, top_p) per row
         for seq in seqs:
             params = seq.params
@@ -367,22 +374,16 @@ class Decoder:
         return Batch([batch.seqs[row] for row in keep], cache, mask[:, start:], **rows)
 
     def join(self, old: Batch | None, new: Batch | None) -> Batch | None:
-        """One batch of both: the shorter history is left-padded (masked) to the longer one."""
+        """One batch of both, the old rows first."""
         if old is None or new is None:
             return old or new
-        width = max(old.attention_mask.shape[1], new.attention_mask.shape[1])
-
-        def pad(tensor: torch.Tensor, dim: int) -> torch.Tensor:
-            missing = width - tensor.shape[dim]
-            return F.pad(tensor, (0, 0, missing, 0) if dim == 2 else (missing, 0))
-
-        layers = [
-            (torch.cat([pad(k_old, 2), pad(k_new, 2)]), torch.cat([pad(v_old, 2), pad(v_new, 2)]))
-            for (k_old, v_old), (k_new, v_new) in zip(layer_states(old.cache), layer_states(new.cache))
-        ]
+        cache, mask = self.stacked([(old.cache, old.attention_mask), (new.cache, new.attention_mask)])
         rows = {name: torch.cat([getattr(old, name), getattr(new, name)]) for name in ROW_TENSORS}
-        mask = torch.cat([pad(old.attention_mask, 1), pad(new.attention_mask, 1)])
-        return Batch(old.seqs + new.seqs, self.cache(layers), mask, **rows)
+        return Batch(old.seqs + new.seqs, cache, mask, **rows)
+
+    def stacked(self, parts: list[tuple[DynamicCache, torch.Tensor]]) -> tuple[DynamicCache, torch.Tensor]:
+        """kv.py stacked's one (cache, mask) of several, with this model's kind of cache."""
+        return stacked(self.model.config, parts, self.cache_dtype, self.blocks)
 
     def cache(self, layers=()) -> DynamicCache:
         """A KV cache for the model, filled with `layers`' (keys, values) when given (kv.py)."""

@@ -140,3 +140,23 @@ def selected(cache: DynamicCache, index: torch.Tensor, start: int = 0) -> tuple[
     new = DynamicCache(config=None)
     new.layers = [layer for layer, _ in layers]
     return new, layers[0][1]
+
+
+def stacked(config, parts: list[tuple[DynamicCache, torch.Tensor]], dtype=None, blocks: bool = False):
+    """One cache (kv_cache's kind) and attention mask of several (cache, mask (B, T)), their rows in order:
+    the shorter histories left-padded, masked, to the longest."""
+    if len(parts) == 1:
+        return parts[0]
+    width = max(mask.shape[1] for _, mask in parts)
+
+    def pad(
+        tensor: torch.Tensor, dim: int
+    ) -> torch.Tensor:  # on the left of dim 2 (keys, values) or 1 (mask)
+        missing = width - tensor.shape[dim]
+        return torch.nn.functional.pad(tensor, (0, 0, missing, 0) if dim == 2 else (missing, 0))
+
+    layers = [
+        (torch.cat([pad(keys, 2) for keys, _ in states]), torch.cat([pad(values, 2) for _, values in states]))
+        for states in zip(*(layer_states(cache) for cache, _ in parts))
+    ]
+    return kv_cache(config, layers, dtype, blocks), torch.cat([pad(mask, 1) for _, mask in parts])
