@@ -233,6 +233,7 @@ def test_distill_vs_rl_scores_only_the_best_runs_curve_and_judges_both_targets(t
     demo = bench.load_script("demo")
     cfg = demo.resolved(demo.Config(out=demo_dir))
     args = type("Args", (), {"out": out, "demo": demo_dir, "steps": 60, "eval_every": 20, "seed": 0})
+    args.starts = ["sft", "base"]
     args.distill_lrs, args.rl_lrs = ["1e-5", "3e-5"], ["3e-5"]
     names = [stage.name for stage in bench.stages(demo, args, cfg, curves=True)]
     assert "eval sft-distill-lr3e-5 step 20" in names and "eval base-rl-lr3e-5 step 40" in names

@@ -13,6 +13,7 @@ on where it stopped (lib/stages.py); --table prints what is there and runs nothi
 Usage:
     make demo                                                    # once: the teacher and the SFT model
     python benchmarks/rl/distill_vs_rl.py --plot docs/distill_vs_rl.png
+    python benchmarks/rl/distill_vs_rl.py --starts sft --plot docs/distill_vs_rl.png   # half of it: from SFT
     python benchmarks/rl/distill_vs_rl.py --distill-lrs 3e-5 --rl-lrs 3e-5 --steps 20 --eval-every 10
     python benchmarks/rl/distill_vs_rl.py --table
 """
@@ -126,11 +127,11 @@ def stages(demo, args, cfg, curves: bool) -> list:
         return made(f"eval {name}", lambda: scored(demo, into) is not None, commands, weights)
 
     every = [evaluation("teacher", teacher, args.out / "eval" / "teacher")]
-    every += [evaluation(f"start-{s}", starts[s], args.out / "eval" / f"start-{s}") for s in STARTS]
+    every += [evaluation(f"start-{s}", starts[s], args.out / "eval" / f"start-{s}") for s in args.starts]
     # The weights of every step the best runs are scored at: on a CPU rl.py syncs in memory and writes weights
     # every --checkpoint-every steps (lib/inference/weights/sync.py), so these outlive the run.
     kept = len(marks(args)) + 1
-    for run in (run for start in STARTS for method in METHODS for run in runs(args, start, method)):
+    for run in (run for start in args.starts for method in METHODS for run in runs(args, start, method)):
         run_dir = run.directory(args.out)
         command = [
             "scripts/rl.py",
@@ -167,7 +168,7 @@ def report(demo, args) -> list[str]:
 
     teacher = scored(demo, args.out / "eval" / "teacher")
     lines = [f"teacher (the demo's RL model): {teacher[0]:.3f} ({teacher[1]:.3f})"] if teacher else []
-    for start in STARTS:
+    for start in args.starts:
         model = "the demo's SFT model" if start == "sft" else "the base model"
         header = ["run", *(f"step {step}" for step in marks(args)), "minutes"]
         lines += ["", f"from {model}: held-out reward, sampled (greedy); training minutes", ""]
@@ -211,7 +212,7 @@ def plot(demo, args, path: Path) -> Path:
     from lib.plot import save
 
     figure, (by_step, by_minute) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for start, style in zip(STARTS, ("-", ":")):
+    for start, style in zip(args.starts, ("-", ":")):
         for method, color in zip(METHODS, ("tab:green", "tab:blue")):
             run = best(demo, args, start, method)
             if run is None:
@@ -247,6 +248,9 @@ def main() -> None:
     parser.add_argument("--distill-lrs", nargs="+", default=["1e-5", "3e-5", "1e-4"])
     parser.add_argument(
         "--rl-lrs", nargs="+", default=["3e-5"], help="the RL preset's (the demo's screens chose it)"
+    )
+    parser.add_argument(
+        "--starts", nargs="+", choices=STARTS, default=list(STARTS), help="the models runs start from"
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--table", action="store_true", help="print the tables of what is there; run nothing")
