@@ -257,47 +257,46 @@ def test_rows_leaving_and_joining_a_batch_in_blocks_keep_every_sequences_logprob
         torch.testing.assert_close(torch.tensor(completion.logprobs), expected, rtol=0, atol=1e-5)
 
 
-def test_a_prompt_scored_for_its_logprobs_runs_through_the_model_once(tiny_dir, monkeypatch):
-    # A distillation teacher's request (prompt_logprobs, one token) ran its prompt through the model twice:
-    # scoring's forward, then the batch's prefill. The prefill now takes the scoring forward's KV cache and
-    # last logits. What it serves stays a full forward's: the prompt's logprobs and the sampled tokens'.
+def test_prompts_scored_for_their_logprobs_run_through_the_model_once_together(tiny_dir, monkeypatch):
+    # A distillation teacher's requests (prompt_logprobs, one token) each ran its prompt through the model twice,
+    # alone: scoring's forward, then the batch's prefill. Now the scored prompts are prefilled together, left-
+    # padded, keeping every position's hidden state for their logprobs. What is served stays a full forward's:
+    # the prompts' logprobs and the sampled tokens'.
     from lib.inference.server.decode import Decoder, Sequence
     from lib.models.load import load_model
 
     model = load_model(ModelConfig(name=str(tiny_dir), device="cpu", dtype="float32"))
     decoder = Decoder(model, pad_id=0, detokenize=lambda ids, skip: "", seed=0)
-    prefilled = []  # the tokens (padding included) of every forward of more than one position
+    prefilled = []  # (rows, positions) of every forward of more than one position
     forward = model.model.forward
 
     def counted(*args, **kwargs):
-        ids = kwargs["input_ids"]
-        if ids.shape[1] > 1:
-            prefilled.append(ids.numel())
+        if kwargs["input_ids"].shape[1] > 1:
+            prefilled.append(tuple(kwargs["input_ids"].shape))
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(model.model, "forward", counted)
-    scored = Sequence(
-        list(range(5, 45)), SamplingParams(3, ignore_eos=True, prompt_logprobs=1), None, frozenset(), None, 0
-    )
+    scoring = SamplingParams(3, ignore_eos=True, prompt_logprobs=1)
+    scored = [Sequence(list(range(5, 5 + n)), scoring, None, frozenset(), None, 0) for n in (40, 17)]
     plain = Sequence([8, 9, 10], SamplingParams(3, ignore_eos=True), None, frozenset(), None, 0)
     done = []
     with torch.inference_mode():
-        batch, finished = decoder.step(None, [plain, scored], "v")
+        batch, finished = decoder.step(None, [scored[0], plain, scored[1]], "v")
         done += finished
         while batch is not None:
             batch, finished = decoder.step(batch, [], "v")
             done += finished
-    assert sum(prefilled) == 40 + 3, prefilled
-    assert {seq for seq, _ in done} == {plain, scored}
+    assert sorted(prefilled) == [(1, 3), (2, 40)]  # before: (1, 40), (1, 17) and (3, 40)
+    assert {seq for seq, _ in done} == {plain, *scored}
     for seq, completion in done:
         expected = full_forward_logprobs(model, seq, completion)
         torch.testing.assert_close(torch.tensor(completion.logprobs), expected, rtol=0, atol=1e-5)
-    [completion] = [completion for seq, completion in done if seq is scored]
-    ids = torch.tensor([scored.prompt_ids])
-    with torch.inference_mode():
-        expected = model(ids).logits[0, :-1].float().log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
-    served = torch.tensor([entries[0][1] for entries in completion.prompt_logprobs])
-    torch.testing.assert_close(served, expected, rtol=0, atol=1e-5)
+        if seq in scored:
+            ids = torch.tensor([seq.prompt_ids])
+            with torch.inference_mode():
+                logp = model(ids).logits[0, :-1].float().log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+            served = torch.tensor([entries[0][1] for entries in completion.prompt_logprobs])
+            torch.testing.assert_close(served, logp, rtol=0, atol=1e-5)
 
 
 def test_bf16_linear_layers_take_the_cpus_path_and_compute_what_plain_ones_do_after_a_reload(

@@ -205,47 +205,46 @@ class Decoder:
 
     def recompute(self, batch: Batch) -> None:
         """Recomputes the batch's KV under the current weights (all but the sampled, not yet fed, token)."""
-        batch.cache, batch.attention_mask, _ = self.forward(
+        batch.cache, batch.attention_mask, *_ = self.forward(
             [seq.prompt_ids + seq.token_ids[:-1] for seq in batch.seqs]
         )
 
-    def forward(self, histories: list[list[int]]) -> tuple[object, torch.Tensor, torch.Tensor]:
-        """Runs the model over token lists, left-padded: their KV cache, attention mask and last logits. Equal
-        lists (a group's rollouts share their prompt) run once, and their rows are copied."""
+    def forward(self, histories: list[list[int]], hidden: bool = False) -> tuple:
+        """Runs the model over token lists, left-padded: their KV cache, attention mask, last logits (B, V) and,
+        with `hidden`, every position's last hidden state (B, T, H) (else None). Equal lists (a group's rollouts
+        share their prompt) run once, and their rows are copied."""
         rows = {ids: row for row, ids in enumerate(dict.fromkeys(map(tuple, histories)))}
-        if len(rows) < len(histories):
-            cache, mask, logits = self.forward([list(ids) for ids in rows])
+        if len(rows) < len(histories) and not hidden:
+            cache, mask, logits, _ = self.forward([list(ids) for ids in rows])
             index = torch.tensor([rows[tuple(ids)] for ids in histories], device=self.device)
-            return selected(cache, index)[0], mask[index], logits[index]
+            return selected(cache, index)[0], mask[index], logits[index], None
         width = max(len(ids) for ids in histories)
         ids = torch.tensor([[self.pad_id] * (width - len(h)) + h for h in histories], device=self.device)
         mask = torch.tensor([[0] * (width - len(h)) + [1] * len(h) for h in histories], device=self.device)
         # Every row counts positions from 0 at its first real token, whatever its padding.
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
-        cache = self.cache()
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        return cache, mask, out.logits[:, -1]
+        cache, inputs = self.cache(), {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
+        if not hidden:
+            out = self.model(**inputs, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            return cache, mask, out.logits[:, -1], None
+        states = self.model.model(
+            **inputs, past_key_values=cache, use_cache=True
+        ).last_hidden_state  # (B, T, H)
+        return cache, mask, self.model.get_output_embeddings()(states[:, -1]), states
 
     def prefill(self, seqs: list[Sequence], label: str, finished: Finished) -> Batch | None:
-        # A prompt scored for its logprobs (a teacher's request) runs alone through scoring.py, whose forward's KV
-        # cache and last logits are its prefill (under the weights that sample its first token, as in vLLM's).
+        # The prompts scored for their logprobs (a teacher's requests) run together, keeping every position's
+        # hidden state for scoring.py, under the weights that sample their first token (as vLLM's prefill);
+        # the other prompts run together too, keeping the last position's.
         scored = [seq for seq in seqs if seq.params.prompt_logprobs is not None]
         plain = [seq for seq in seqs if seq not in scored]
-        parts = [self.forward([seq.prompt_ids for seq in plain])] if plain else []  # (cache, mask, logits)
-        for seq in scored:
-            cache = self.cache()
-            seq.prompt_logprobs, last = prompt_logprobs(
-                self.model, cache, seq.prompt_ids, seq.params.prompt_logprobs
-            )
-            parts.append(
-                (cache, torch.ones(1, len(seq.prompt_ids), dtype=torch.long, device=self.device), last[None])
+        parts = [
+            self.forward([s.prompt_ids for s in part], part is scored) for part in (plain, scored) if part
+        ]
+        for row, seq in enumerate(scored):
+            states = parts[-1][3][row, -len(seq.prompt_ids) :]  # (T, H): the prompt's own positions
+            seq.prompt_logprobs = prompt_logprobs(
+                self.model, states, seq.prompt_ids, seq.params.prompt_logprobs
             )
         seqs = plain + scored
         cache, mask = self.stacked([part[:2] for part in parts])

@@ -6,27 +6,17 @@ import torch
 CHUNK = 1024
 
 
-def prompt_logprobs(model, cache, prompt_ids: list[int], k: int) -> tuple[list, "torch.Tensor"]:
+def prompt_logprobs(model, hidden, prompt_ids: list[int], k: int) -> list[list[tuple[int, float, int]]]:
     """Per prompt token after the first, vLLM's entries for it: (token, logprob, rank) of the token itself,
-    then of the k most likely ones (each token once); and the logits after the last prompt token (V,), which
-    with `cache`, now holding the prompt's keys and values, are what a prefill of the prompt gives.
+    then of the k most likely ones (each token once). `hidden` (T, H): the model's last hidden state at each
+    prompt position (the prefill's, decode.py).
 
     As vLLM 0.32 (vllm/v1/worker/gpu_model_runner.py _get_prompt_logprobs_dict): the model's raw distribution,
     log_softmax in float32 of the logits the model computes; prompt tokens skip the sampling processors, so
-    no temperature, top-k or top-p touches them, whatever the request asks. `cache`: an empty KV cache of the
-    engine's kind, so the forward takes the same attention path as a prefill.
+    no temperature, top-k or top-p touches them, whatever the request asks.
     """
-    ids = torch.tensor([prompt_ids], device=next(model.parameters()).device)  # (1, T)
-    positions = torch.arange(len(prompt_ids), device=ids.device)[None]  # (1, T)
-    hidden = model.model(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        position_ids=positions,
-        past_key_values=cache,
-        use_cache=True,
-    ).last_hidden_state[0]  # (T, H)
-    head, targets = model.get_output_embeddings(), ids[0, 1:]  # (T-1,)
-    last, hidden = head(hidden[-1:])[0], hidden[:-1]  # (V,), (T-1, H)
+    head = model.get_output_embeddings()
+    targets, hidden = torch.tensor(prompt_ids[1:], device=hidden.device), hidden[:-1]  # (T-1,), (T-1, H)
     entries = []
     for first in range(0, len(targets), CHUNK):
         logp = head(hidden[first : first + CHUNK]).float().log_softmax(-1)  # (n, V)
@@ -44,4 +34,4 @@ def prompt_logprobs(model, cache, prompt_ids: list[int], k: int) -> tuple[list, 
             listed = [(token, value, rank)]
             listed += [(o, v, r + 1) for r, (o, v) in enumerate(zip(others, values)) if o != token]
             entries.append(listed[: k + 1])
-    return entries, last
+    return entries
