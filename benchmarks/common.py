@@ -168,6 +168,30 @@ def rl_loss(model, autocast, ids, positions, mask):
     return loss
 
 
+# ---------------------------------------------------------------- stages of scripts/demo.py's kind
+
+
+def command_stage(demo, name: str, done, commands: list[list[str]], inputs: tuple, out: Path, run_dir=None):
+    """A lib/stages.py Stage that runs scripts' `commands` one after another through scripts/demo.py's run
+    (an evaluation whose episodes failed stops it), made from `inputs` and the commands' configs as they
+    resolve (paths under `out` written relative to it); `run_dir` as Stage's."""
+    from lib.stages import Stage, resolved_command
+
+    def running() -> None:
+        for command in commands:
+            demo.run(*command)
+            if command[0] == "scripts/eval.py":  # eval_commands' last arguments: --output-dir DIR --name NAME
+                demo.check_scored(Path(command[-3]) / command[-1])
+
+    settings = [resolved_command(command, out) for command in commands]
+    return Stage(name, done, running, inputs, run_dir, settings)
+
+
+def evaluated(demo, run_dir: Path) -> bool:
+    """Whether an evaluation of scripts/demo.py's eval_commands finished, sampled and greedy both."""
+    return demo.evaluated(run_dir) and demo.evaluated(demo.greedy(run_dir))
+
+
 # ---------------------------------------------------------------- output folders
 
 

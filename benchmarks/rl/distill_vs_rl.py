@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: lib/ and benchmarks/
-from benchmarks.common import DEFAULT_MODEL, ROOT, fail, load_script  # noqa: E402
+from benchmarks.common import DEFAULT_MODEL, ROOT, command_stage, evaluated, fail, load_script  # noqa: E402
 
 PRESETS = Path("configs/smollm2_two_digit")
 TASKSET = ROOT / "lib" / "orchestrator" / "tasksets" / "plainrl_arithmetic"
@@ -69,7 +69,7 @@ def marks(args) -> list[int]:
 
 def scored(demo, run_dir: Path) -> tuple[float, float] | None:
     """(sampled, greedy) held-out reward of an evaluation, or None before both finished."""
-    if demo.evaluated(run_dir) and demo.evaluated(demo.greedy(run_dir)):
+    if evaluated(demo, run_dir):
         return demo.reward(run_dir), demo.reward(demo.greedy(run_dir))
     return None
 
@@ -102,8 +102,6 @@ def reaching(demo, args, run: Run, bar: float) -> tuple[int | None, str]:
 def stages(demo, args, cfg, curves: bool) -> list:
     """Every stage: the starts' and the teacher's evaluations, each run and its last step's evaluation; with
     `curves`, the best runs' evaluations every --eval-every steps too."""
-    from lib.stages import Stage, resolved_command
-
     teacher = args.demo / "rl" / "weights" / f"step_{cfg.rl_steps}"
     starts = {"sft": args.demo / "sft" / "weights" / f"step_{cfg.sft_steps}", "base": DEFAULT_MODEL}
     for path in (teacher, starts["sft"]):
@@ -112,19 +110,12 @@ def stages(demo, args, cfg, curves: bool) -> list:
                 f"{path} is not there: `make demo` (or --demo DIR) gives the teacher and the SFT model first."
             )
 
-    def made(name: str, done, commands: list[list[str]], weights: Path, run_dir: Path | None = None) -> Stage:
-        def running() -> None:
-            for command in commands:
-                demo.run(*command)
-                if command[0] == "scripts/eval.py":
-                    demo.check_scored(Path(command[-3]) / command[-1])
+    def made(name: str, done, commands: list[list[str]], weights: Path, run_dir: Path | None = None):
+        return command_stage(demo, name, done, commands, (weights, TASKSET), args.out, run_dir)
 
-        settings = [resolved_command(command, args.out) for command in commands]
-        return Stage(name, done, running, (weights, TASKSET), run_dir, settings)
-
-    def evaluation(name: str, weights: Path, into: Path) -> Stage:
+    def evaluation(name: str, weights: Path, into: Path):
         commands = demo.eval_commands(cfg, weights, into)
-        return made(f"eval {name}", lambda: scored(demo, into) is not None, commands, weights)
+        return made(f"eval {name}", lambda: evaluated(demo, into), commands, weights)
 
     every = [evaluation("teacher", teacher, args.out / "eval" / "teacher")]
     every += [evaluation(f"start-{s}", starts[s], args.out / "eval" / f"start-{s}") for s in args.starts]
@@ -133,28 +124,13 @@ def stages(demo, args, cfg, curves: bool) -> list:
     kept = len(marks(args)) + 1
     for run in (run for start in args.starts for method in METHODS for run in runs(args, start, method)):
         run_dir = run.directory(args.out)
-        command = [
-            "scripts/rl.py",
-            "@",
-            str(PRESETS / f"{run.method}.toml"),
-            "--model.name",
-            str(starts[run.start]),
-        ]
-        command += [
-            "--optim.lr",
-            run.lr,
-            "--steps",
-            str(args.steps),
-            "--checkpoint-every",
-            str(args.eval_every),
-        ]
+        preset, model = str(PRESETS / f"{run.method}.toml"), str(starts[run.start])
+        command = ["scripts/rl.py", "@", preset, "--model.name", model, "--optim.lr", run.lr]
+        command += ["--steps", str(args.steps), "--checkpoint-every", str(args.eval_every)]
         command += ["--keep-weights", str(kept), "--output-dir", str(run_dir), "--seed", str(args.seed)]
         command += (["--teacher.model", str(teacher)] if run.method == "distill" else []) + ["--resume"]
-        every.append(
-            made(
-                run.name, lambda d=run_dir: demo.trained(d, args.steps), [command], starts[run.start], run_dir
-            )
-        )
+        trained = lambda d=run_dir: demo.trained(d, args.steps)  # noqa: E731
+        every.append(made(run.name, trained, [command], starts[run.start], run_dir))
         chosen = curves and best(demo, args, run.start, run.method) == run
         for step in marks(args)[1:] if chosen else [args.steps]:
             name = run.name + ("" if step == args.steps else f" step {step}")

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: lib/ and benchmarks/
-from benchmarks.common import DEFAULT_MODEL, ROOT, load_script  # noqa: E402
+from benchmarks.common import DEFAULT_MODEL, ROOT, command_stage, evaluated, load_script  # noqa: E402
 
 # One task of each kind, with the settings (reasoning-gym's config) that fit a 135M model where its defaults do
 # not: docs/environments.md says why for each.
@@ -52,11 +52,6 @@ def layout(more: int | None) -> tuple[list[str], list[tuple], dict[str, str], di
         gains.append(("after-sft", f"after-rl{more}", 2))
         labels[f"after-rl{more}"], stages[f"rl{more}"] = f"SFT+RL, {more} steps", f"{more} steps"
     return names, gains, labels, stages
-
-
-def evaluated(demo, run_dir: Path) -> bool:
-    """Whether an evaluation finished, sampled and greedy both."""
-    return demo.evaluated(run_dir) and demo.evaluated(demo.greedy(run_dir))
 
 
 def stages(demo, task: str, out: Path, sft_steps: int, rl_steps: int, seed: int, more: int | None) -> list:
@@ -100,14 +95,7 @@ def stages(demo, task: str, out: Path, sft_steps: int, rl_steps: int, seed: int,
         ]
 
     def made(name: str, done, commands: list, start: Path, run_dir: Path | None = None) -> Stage:
-        def running() -> None:
-            for command in commands:
-                demo.run(*command)
-                if command[0] == "scripts/eval.py":
-                    demo.check_scored(Path(command[-3]) / command[-1])
-
-        settings = [resolved_command(command, out) for command in commands]
-        return Stage(name, done, running, (start, TASKSET), run_dir, settings)
+        return command_stage(demo, name, done, commands, (start, TASKSET), out, run_dir)
 
     every = [
         made("sft", lambda: demo.trained(out / "sft", sft_steps), [sft], DEFAULT_MODEL, out / "sft"),
