@@ -237,7 +237,7 @@ class Decoder:
         # hidden state for scoring.py, under the weights that sample their first token (as vLLM's prefill);
         # the other prompts run together too, keeping the last position's.
         scored = [seq for seq in seqs if seq.params.prompt_logprobs is not None]
-        plain = [seq for seq in seqs if seq not in scored]
+        plain = [seq for seq in seqs if seq.params.prompt_logprobs is None]
         parts = [
             self.forward([s.prompt_ids for s in part], part is scored) for part in (plain, scored) if part
         ]

@@ -149,9 +149,8 @@ def stacked(config, parts: list[tuple[DynamicCache, torch.Tensor]], dtype=None, 
         return parts[0]
     width = max(mask.shape[1] for _, mask in parts)
 
-    def pad(
-        tensor: torch.Tensor, dim: int
-    ) -> torch.Tensor:  # on the left of dim 2 (keys, values) or 1 (mask)
+    def pad(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """Left-padded along dim 2 (keys, values) or 1 (a mask)."""
         missing = width - tensor.shape[dim]
         return torch.nn.functional.pad(tensor, (0, 0, missing, 0) if dim == 2 else (missing, 0))
 
