@@ -202,6 +202,18 @@ def fail(message: str):
     fail(message)
 
 
+def check_model(name: str) -> None:
+    """Ends the benchmark in one sentence where `name` is a local model directory not made yet (or a typo),
+    saying which target makes it, as rl.py does (lib/models/load.py check_model_name)."""
+    from lib.config import UserError
+    from lib.models.load import check_model_name
+
+    try:
+        check_model_name(name)
+    except UserError as error:
+        fail(str(error))
+
+
 def record_name(script: str) -> str:
     """The record a benchmark writes in its output folder: its own name, so no one else's file passes for it."""
     return f"{Path(script).stem}.json"

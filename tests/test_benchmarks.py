@@ -101,6 +101,19 @@ def test_bench_demo_rl_refuses_the_demo_it_starts_from(tmp_path, monkeypatch, ca
     assert capsys.readouterr().err.count("\n") == 1
 
 
+@pytest.mark.parametrize("path", ["inference/bench_generation.py", "trainer/bench_limits.py"])
+def test_a_model_benchmark_without_its_model_says_how_to_make_it_in_one_sentence(
+    path, tmp_path, monkeypatch, capsys
+):
+    missing = tmp_path / "outputs" / "models" / "smollm2-135m-instruct"  # where their default lies, unmade
+    monkeypatch.setattr(sys, "argv", [path, "--model", str(missing)])
+    bench = load_benchmark(path)
+    with pytest.raises(SystemExit) as exit_:
+        bench.main()
+    error = capsys.readouterr().err
+    assert exit_.value.code == 2 and error.count("\n") == 1 and "run `make smollm2` to create it" in error
+
+
 def test_bench_demo_rl_starts_its_own_earlier_output_over(tmp_path, monkeypatch):
     sft, out = tmp_path / "sft", tmp_path / "bench"
     sft.mkdir()

@@ -319,6 +319,12 @@ def test_a_run_directory_or_a_checkpoint_as_model_name_points_at_the_runs_weight
         check_model_name("outputs/tiny/sft/checkpoints/step_40")
     with pytest.raises(ValueError, match="run `make tiny` to create it"):
         check_model_name("outputs/models/tiny")
+    for smollm2 in (
+        "outputs/models/smollm2-135m-instruct",
+        tmp_path / "outputs/models/smollm2-135m-instruct/",
+    ):
+        with pytest.raises(ValueError, match="run `make smollm2` to create it"):
+            check_model_name(str(smollm2))
 
 
 def test_a_misspelt_flag_gets_a_did_you_mean(capsys):

@@ -39,7 +39,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: lib/ and benchmarks/
-from benchmarks.common import DEFAULT_MODEL, ROOT, bandwidth_gbs, matmul_gflops, threads  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    DEFAULT_MODEL,
+    ROOT,
+    bandwidth_gbs,
+    check_model,
+    matmul_gflops,
+    threads,
+)
 from benchmarks.inference.bench_serve import server_round  # noqa: E402
 from lib.inference import launch  # noqa: E402
 
@@ -166,6 +173,7 @@ def main() -> None:
     parser.add_argument("--train-only", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench_generation.json")
     args = parser.parse_args()
+    check_model(args.model)
     if args.train_only:
         return train(args.model, args.train_only)
 

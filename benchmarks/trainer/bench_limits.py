@@ -41,7 +41,7 @@ from benchmarks.common import (  # noqa: E402
     DEFAULT_MODEL,
     Clock,
     bandwidth_gbs,
-    fail,
+    check_model,
     matmul_gflops,
     rl_loss,
     sft_loss,
@@ -268,8 +268,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="split one more step of each row by op")
     parser.add_argument("--out", type=Path, default=None, help="write every figure here as JSON")
     args = parser.parse_args()
-    if not (Path(args.model) / "config.json").is_file():
-        fail(f"{args.model} is not a Hugging Face model directory (`make smollm2` writes the default).")
+    check_model(args.model)
 
     import torch
     from transformers import AutoConfig

@@ -141,7 +141,9 @@ def check_model_name(name: str) -> None:
             example = steps[-1] if steps else path / rundir.WEIGHTS / "step_N"
             hint = f" (a run directory: give one of its weights, e.g. {example})"
         else:
-            hint = " (run `make tiny` to create it)" if re.search(r"models/tiny/?$", name) else ""
+            made = re.search(r"models/(tiny|smollm2-135m-instruct)/?$", name)  # a model `make` writes
+            target = made and made.group(1).split("-")[0]  # tiny, smollm2: the Makefile's targets
+            hint = f" (run `make {target}` to create it)" if made else ""
         raise UserError(f"model.name {name} is not a Hugging Face model directory{hint}.")
     if not local:
         check_hub(name)
