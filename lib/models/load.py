@@ -140,10 +140,12 @@ def check_model_name(name: str) -> None:
             steps = sorted(path.glob(f"{rundir.WEIGHTS}/step_*"), key=lambda p: int(p.name.split("_")[-1]))
             example = steps[-1] if steps else path / rundir.WEIGHTS / "step_N"
             hint = f" (a run directory: give one of its weights, e.g. {example})"
-        else:
-            made = re.search(r"models/(tiny|smollm2-135m-instruct)/?$", name)  # a model `make` writes
-            target = made and made.group(1).split("-")[0]  # tiny, smollm2: the Makefile's targets
-            hint = f" (run `make {target}` to create it)" if made else ""
+        else:  # outputs/models/<name> is written by a make target: say which
+            from lib.models.smollm2 import SMOLLM2_DIR
+
+            made_by = {"tiny": "tiny", SMOLLM2_DIR.name: "smollm2"} if path.parent.name == "models" else {}
+            target = made_by.get(path.name)
+            hint = f" (run `make {target}` to create it)" if target else ""
         raise UserError(f"model.name {name} is not a Hugging Face model directory{hint}.")
     if not local:
         check_hub(name)
