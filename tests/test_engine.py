@@ -512,3 +512,53 @@ def test_the_kv_cache_grows_in_place_and_holds_what_concatenation_would(kind):
             laid_out = block_keys.data.permute(1, 2, 0, 3, 4).flatten(2, 3)  # (2, 3, blocks x BLOCK, 4)
             assert torch.equal(laid_out[:, :, :length], history) and not laid_out[:, :, length:].any()
     assert 1 < len(buffers) < 5  # 166 tokens in a few buffers, not one per step
+
+
+# Run in a process of its own: a server's engine built on the main thread, then reloaded and fingerprinted
+# from another thread, as routes.py's asyncio.to_thread does. Prints the threads each step started.
+ONE_TEAM = """
+import os, sys, threading, torch
+from lib.inference.server.decode import SamplingParams
+from lib.inference.server.engine import Engine
+from lib.models.load import ModelConfig
+
+def threads():  # the process's threads that run no Python: OpenMP's
+    return set(map(int, os.listdir("/proc/self/task"))) - {t.native_id for t in threading.enumerate()}
+
+torch.set_num_threads(2)
+before = threads()
+engine = Engine(ModelConfig(name=sys.argv[1], device="cpu"))
+engine.submit([5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True)).result(timeout=60)
+started = threads() - before
+print("engine", len(started))
+done = threading.Event()
+
+def elsewhere():
+    torch.set_num_threads(2)
+    mark = threads()
+    engine.reload(sys.argv[1])
+    engine.weight_fingerprint()
+    print("elsewhere", len(threads() - mark))
+    done.set()
+
+threading.Thread(target=elsewhere).start()
+done.wait(60)
+engine.close()
+"""
+
+
+def test_only_the_engines_worker_computes_with_several_threads(tiny_dir):
+    # libgomp spins its threads ~100 rounds instead of ~300,000 once it manages more than the CPU's cores:
+    # a second thread's team of OpenMP threads (the model loaded on the main thread, a reload's copy on an
+    # asyncio worker) made every parallel operator of the decode step sleep and wake its threads (a 32-row
+    # SmolLM2 step 180 ms instead of 147, float32, 2 cores). A new team shows as new threads of the process.
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run(
+        [sys.executable, "-c", ONE_TEAM, str(tiny_dir)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    counts = dict(
+        line.split() for line in result.stdout.splitlines() if line.startswith(("engine", "elsewhere"))
+    )
+    # The worker's own team: one thread beside it. Nothing started by the reload and the fingerprint.
+    assert counts == {"engine": "1", "elsewhere": "0"}, result.stdout

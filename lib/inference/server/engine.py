@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ import torch
 from lib.config import UserError
 from lib.inference.server import linear
 from lib.inference.server.decode import Batch, Completion, Decoder, SamplingParams, Sequence
+from lib.inference.server.loading import check_tensors, read_adapter, read_weights
 from lib.inference.server.protocol import Tokenizer
 from lib.inference.weights import fingerprint
 from lib.models.load import ModelConfig, load_model, load_tokenizer
@@ -44,74 +46,11 @@ class Request:
     remaining: int
 
 
-def read_weights(model, directory: Path) -> dict[str, torch.Tensor]:
-    """Reads a Hugging Face safetensors directory and checks it holds exactly this model's tensors."""
-    from safetensors.torch import load_file
-
-    files = sorted(Path(directory).glob("*.safetensors"))
-    if not files:
-        raise UserError(f"{directory} holds no .safetensors files.")
-    tensors = {}
-    for file in files:
-        tensors.update(load_file(file))
-    check_tensors(model, tensors, str(directory))
-    return tensors
-
-
-def check_tensors(model, tensors: dict[str, torch.Tensor], source: str) -> None:
-    """A UserError unless `tensors` are exactly this model's weights, in its shapes."""
-    state = model.state_dict()
-    required = {name for name, _ in model.named_parameters()}  # a tied weight is listed once
-    unknown, missing = sorted(set(tensors) - set(state)), sorted(required - set(tensors))
-    if unknown or missing:
-        raise UserError(
-            f"{source} does not fit the served model (missing {missing[:3]}, unknown {unknown[:3]})."
-        )
-    for name, tensor in tensors.items():
-        if tensor.shape != state[name].shape:
-            raise UserError(
-                f"{source}: {name} has shape {tuple(tensor.shape)}, the model {tuple(state[name].shape)}."
-            )
-
-
-def read_adapter(model, directory: Path, max_rank: int) -> dict[str, torch.Tensor]:
-    """A PEFT LoRA directory (adapter_config.json, adapter_model.safetensors) as what it adds to the
-    model's weights, {weight name: alpha / r x B @ A} in float32, checked against the model."""
-    import json
-
-    from safetensors.torch import load_file
-
-    config = json.loads((directory / "adapter_config.json").read_text())
-    rank, alpha = config["r"], config["lora_alpha"]
-    if rank > max_rank:
-        raise UserError(
-            f"{directory}: LoRA rank {rank} is more than the server's --max-lora-rank {max_rank}."
-        )
-    if config.get("use_dora") or config.get("rank_pattern") or config.get("alpha_pattern"):
-        raise UserError(
-            f"{directory}: only plain LoRA is served (no DoRA, one rank and alpha for every layer)."
-        )
-    scale = alpha / (rank**0.5 if config.get("use_rslora") else rank)
-    tensors = load_file(directory / "adapter_model.safetensors")
-    shapes = {name: param.shape for name, param in model.named_parameters()}
-    deltas = {}
-    for key, lora_a in tensors.items():
-        if key.endswith(".lora_A.weight"):
-            module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
-            lora_b = tensors.get(key.replace(".lora_A.", ".lora_B."))
-            name = f"{module}.weight"
-            if lora_b is None or shapes.get(name) != (lora_b.shape[0], lora_a.shape[1]):
-                raise UserError(f"{directory} does not fit the served model ({module}).")
-            deltas[name] = scale * (lora_b.float() @ lora_a.float())
-    if not deltas or 2 * len(deltas) != len(tensors):
-        raise UserError(f"{directory} holds other tensors than LoRA's A and B of linear layers.")
-    return deltas
-
-
 class Engine:
     """Owns the model, the tokenizer and the worker thread; `submit` is safe to call from any thread.
 
-    One worker thread owns the model. Requests wait in a queue; whenever the worker is between two decode
+    One worker thread owns the model: it loads it, and every computation with it (a reload's copy, a
+    fingerprint) runs there between two decode steps (_on_worker). Requests wait in a queue; whenever the worker is between two decode
     steps it prefills the waiting prompts (up to max_batch_size sequences in all) into the running batch,
     so a request never waits for another one to finish. Weights change only between two decode steps.
     """
@@ -123,16 +62,32 @@ class Engine:
         max_model_len: int | None = None,
         seed: int = 0,
     ):
-        self.model = load_model(model_config)
-        self.prepacked = linear.prepacks(self.model)
-        if self.prepacked:
-            linear.prepack(self.model)
-            log.info("linear layers: prepacked for oneDNN")
-        elif linear.bf16_on_cpu(self.model):
-            log.info("linear layers: plain bf16 matmuls (%s)", linear.PLAIN_REASON)
+        self.reloads = 0
+        # The weights an adapter was merged into, by name: a new adapter replaces the old one's sum.
+        self._base: dict[str, torch.Tensor] = {}
+        # The weights' label, as in vLLM: "default" at start, changed only by a client (POST
+        # /update_weight_version); each sequence reports which label produced which of its tokens.
+        self.weight_version = "default"
+        self._reload_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._pending: collections.deque[list[Sequence]] = collections.deque()
+        self._calls: list[tuple[Callable, concurrent.futures.Future]] = []  # work for the worker (_on_worker)
+        self._paused = self._reloading = self._busy = self._closed = False
+        # pause("keep"): the worker holds the running batch (`_held` once it does); `_recompute`: the
+        # held batch's KV is recomputed under the current weights before its next token.
+        self._keep = self._held = self._recompute = False
+        self._waited = 0  # decode steps the waiting sequences have waited to join the running batch
+        self._worker = threading.Thread(target=self._loop, name="plainrl-engine", daemon=True)
+        self._worker.start()
+        try:
+            self._on_worker(lambda: self._load(model_config))
+        except BaseException:
+            self.close()
+            raise
         self.tokenizer = Tokenizer(load_tokenizer(model_config.name))
         config = self.model.config
         if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
+            self.close()
             raise UserError(
                 "the builtin engine serves full-attention models only; use --engine vllm for this one."
             )
@@ -147,22 +102,15 @@ class Engine:
             eos + ([hf_tokenizer.eos_token_id] if hf_tokenizer.eos_token_id is not None else [])
         )
         self.decoder = Decoder(self.model, hf_tokenizer.pad_token_id or 0, self.tokenizer.decode, seed)
-        self.reloads = 0
-        # The weights an adapter was merged into, by name: a new adapter replaces the old one's sum.
-        self._base: dict[str, torch.Tensor] = {}
-        # The weights' label, as in vLLM: "default" at start, changed only by a client (POST
-        # /update_weight_version); each sequence reports which label produced which of its tokens.
-        self.weight_version = "default"
-        self._reload_lock = threading.Lock()
-        self._cond = threading.Condition()
-        self._pending: collections.deque[list[Sequence]] = collections.deque()
-        self._paused = self._reloading = self._busy = self._closed = False
-        # pause("keep"): the worker holds the running batch (`_held` once it does); `_recompute`: the
-        # held batch's KV is recomputed under the current weights before its next token.
-        self._keep = self._held = self._recompute = False
-        self._waited = 0  # decode steps the waiting sequences have waited to join the running batch
-        self._worker = threading.Thread(target=self._loop, name="plainrl-engine", daemon=True)
-        self._worker.start()
+
+    def _load(self, model_config: ModelConfig) -> None:
+        self.model = load_model(model_config)
+        self.prepacked = linear.prepacks(self.model)
+        if self.prepacked:
+            linear.prepack(self.model)
+            log.info("linear layers: prepacked for oneDNN")
+        elif linear.bf16_on_cpu(self.model):
+            log.info("linear layers: plain bf16 matmuls (%s)", linear.PLAIN_REASON)
 
     # ------------------------------------------------------------ requests
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -244,7 +192,8 @@ class Engine:
         pause it first waits until the running sequences finish.
         """
         with self._reload_lock:
-            tensors = read_weights(self.model, Path(directory))  # read before waiting: the pause stays short
+            # Read before waiting, between two steps of the running batch: the pause stays short.
+            tensors = self._on_worker(lambda: read_weights(self.model, Path(directory)))
             self._swap(tensors)
             self._base = {}  # the new weights are what the next adapter adds to
             log.info("loaded weights from %s (reload %d)", directory, self.reloads)
@@ -264,46 +213,82 @@ class Engine:
         loaded before (as `reload`, between two decode steps). vLLM keeps the adapter apart, so its base
         model name still answers with the base weights; here every name gets the merged ones."""
         with self._reload_lock:
-            deltas = read_adapter(self.model, Path(directory), max_rank)
-            params = dict(self.model.named_parameters())
-            for name in deltas.keys() - self._base.keys():
-                self._base[name] = params[name].detach().clone()
-            tensors = {
-                name: (base.float() + deltas[name]).to(base.dtype) if name in deltas else base
-                for name, base in self._base.items()  # a layer the new adapter leaves out goes back to base
-            }
-            self._swap(tensors)
+            self._swap(self._on_worker(lambda: self._merged(Path(directory), max_rank)))
             log.info("loaded LoRA adapter %s (reload %d)", directory, self.reloads)
             return self.reloads
+
+    def _merged(self, directory: Path, max_rank: int) -> dict[str, torch.Tensor]:
+        """The weights with the adapter in `directory` added to the ones it replaces (load_adapter)."""
+        deltas = read_adapter(self.model, directory, max_rank)
+        params = dict(self.model.named_parameters())
+        for name in deltas.keys() - self._base.keys():
+            self._base[name] = params[name].detach().clone()
+        return {
+            name: (base.float() + deltas[name]).to(base.dtype) if name in deltas else base
+            for name, base in self._base.items()  # a layer the new adapter leaves out goes back to base
+        }
 
     def weight_fingerprint(self) -> dict:
         """{"dtype", "engine", "weights": {weight name: fingerprint}} of the parameters the model computes with,
         a merged adapter included (lib/inference/weights/fingerprint.py), the tied output layer under its own name too."""
-        weights, seen = {}, {}  # a tied output layer is the embedding's tensor: fingerprinted once
         with self._reload_lock:  # never half-way through a swap
-            for name, param in self.model.named_parameters(remove_duplicate=False):
-                if id(param) not in seen:
-                    seen[id(param)] = fingerprint.of_tensor(param.detach())
-                weights[name] = seen[id(param)]
+            weights = self._on_worker(self._fingerprints)
         dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
         return {"dtype": dtype, "engine": 0, "weights": weights}
+
+    def _fingerprints(self) -> dict:
+        weights, seen = {}, {}  # a tied output layer is the embedding's tensor: fingerprinted once
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            if id(param) not in seen:
+                seen[id(param)] = fingerprint.of_tensor(param.detach())
+            weights[name] = seen[id(param)]
+        return weights
 
     def _swap(self, tensors: dict[str, torch.Tensor]) -> None:
         with self._cond:
             self._reloading = True
             self._cond.wait_for(self._settled)
         try:
-            state = self.model.state_dict()
-            with torch.no_grad():
-                for name, tensor in tensors.items():
-                    state[name].copy_(tensor)
-                if self.prepacked:
-                    linear.prepack(self.model)  # the copies the linear layers compute with
+            self._on_worker(lambda: self._copy_in(tensors))
             self.reloads += 1
         finally:
             with self._cond:
                 self._reloading = False
                 self._cond.notify_all()
+
+    def _copy_in(self, tensors: dict[str, torch.Tensor]) -> None:
+        state = self.model.state_dict()
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                state[name].copy_(tensor)
+            if self.prepacked:
+                linear.prepack(self.model)  # the copies the linear layers compute with
+
+    def _on_worker(self, work: Callable):
+        """work() run by the worker thread between two decode steps (or while it idles or holds its batch),
+        and its result; its exception is raised here. The worker is the only thread of the server that
+        computes with several threads: libgomp spins each of its threads only ~100 rounds before sleeping
+        once it manages more threads than the CPU has cores, so a second thread's 2-thread work (the model's
+        loading, a reload's copy) made every later parallel operator of the decode step wake sleeping
+        threads: a 32-row SmolLM2 decode step took 180 ms instead of 147 (float32, 2 cores)."""
+        if threading.current_thread() is self._worker:
+            return work()
+        future = concurrent.futures.Future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the engine is closed.")
+            self._calls.append((work, future))
+            self._cond.notify_all()
+        return future.result()
+
+    def _run_calls(self) -> None:
+        with self._cond:
+            calls, self._calls = self._calls, []
+        for work, future in calls:
+            try:
+                future.set_result(work())
+            except Exception as error:  # the caller's to raise (a UserError about its weights, say)
+                future.set_exception(error)
 
     def close(self) -> None:
         with self._cond:
@@ -315,19 +300,26 @@ class Engine:
     def _loop(self) -> None:
         batch: Batch | None = None
         while True:
+            self._run_calls()
             with self._cond:
                 if batch is None:
                     self._busy = False
                     self._cond.notify_all()
-                    self._cond.wait_for(lambda: self._closed or (self._pending and self._admitting()))
+                    self._cond.wait_for(
+                        lambda: self._closed or self._calls or (self._pending and self._admitting())
+                    )
                     if self._closed:
                         break
+                    if self._calls:
+                        continue
                     self._busy = True
                     self._gather_burst()
                 elif self._keep:  # paused with mode=keep: decode nothing until resume (or another mode)
                     self._held = True
                     self._cond.notify_all()
-                    self._cond.wait_for(lambda: self._closed or not self._keep)
+                    self._cond.wait_for(lambda: self._closed or self._calls or not self._keep)
+                    if self._calls and not self._closed:
+                        continue  # run them with the batch still held
                     self._held = False
                     if self._closed:
                         break
@@ -364,6 +356,8 @@ class Engine:
             for seqs in self._pending:
                 if seqs[0].request.future.set_running_or_notify_cancel():
                     seqs[0].request.future.set_exception(RuntimeError("the engine was closed."))
+            for _, future in self._calls:
+                future.set_exception(RuntimeError("the engine was closed."))
 
     def _gather_burst(self) -> None:
         """Starting from idle, waits while requests keep arriving (BURST_GAP_S apart at most), up to BURST_WAIT_S.
