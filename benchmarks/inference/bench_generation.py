@@ -15,7 +15,11 @@ The roofline of a decode step that extends `c` sequences of context `t` by a tok
 - FLOPs: c x (2 x the layers' linear weights + 2 x vocabulary x hidden + 4 x layers x heads x head_dim x t);
 - its time is at least max(bytes / bandwidth, FLOPs / peak), the bandwidth a read of 1 GiB and the peak the
   best one-thread matmul at the step's shapes (c rows) times --threads, both measured here first.
-The bound in tokens/s is c x max_tokens over the sum of the steps' times, t running from the prompt's length.
+The bound in tokens/s is c x max_tokens over the sum of the steps' times, t running from the prompt's length,
+plus the prefill's: the c prompts through every layer (their attention causal) and the output layer for each
+one's last token, every weight read once, at the same peak and bandwidth. A round does that work too: 32
+prompts of 42 tokens are ~70% of the FLOPs of 48 decode steps. The decode steps' bound alone is printed
+beside it (`decode_roofline_tokens_per_second`).
 
 With --beside-trainer N, each server then generates rounds at the largest concurrency while a one-thread
 trainer (the model's forward and backward of a 512-token row under bf16 autocast, N timed iterations, in a
@@ -67,11 +71,15 @@ def decode_shapes(config, rows: int) -> dict[str, tuple[int, int, int]]:
 
 
 def roofline(config, parameters: int, rows: int, prompt: int, new: int, dtype: str, peak: float, gbs: float):
-    """(tokens/s bound, share of the steps bound by memory) for `rows` sequences of `prompt` tokens growing by `new`."""
+    """(tokens/s bound with the prefill, the decode steps' bound alone, share of the steps bound by memory)
+    for `rows` sequences of `prompt` tokens growing by `new`."""
     heads, kv, layers = config.num_attention_heads, config.num_key_value_heads, config.num_hidden_layers
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     embedding = config.vocab_size * config.hidden_size
     linear = parameters - embedding  # the layers' weights (norms are a rounding error)
+    # The prefill: every prompt token through the layers, attending to half its prompt on average.
+    flops = rows * (prompt * (2 * linear + 2 * layers * heads * head_dim * prompt) + 2 * embedding)
+    prefill = max(parameters * BYTES[dtype] / (gbs * 1e9), flops / (peak * 1e9))
     seconds, memory_bound = 0.0, 0
     for step in range(new):
         context = prompt + step
@@ -80,7 +88,7 @@ def roofline(config, parameters: int, rows: int, prompt: int, new: int, dtype: s
         memory, compute = nbytes / (gbs * 1e9), flops / (peak * 1e9)
         seconds += max(memory, compute)
         memory_bound += memory >= compute
-    return rows * new / seconds, memory_bound / new
+    return rows * new / (prefill + seconds), rows * new / seconds, memory_bound / new
 
 
 async def generate_round(url: str, prompts: list[list[int]], max_tokens: int) -> float:
@@ -236,7 +244,7 @@ def main() -> None:
                         asyncio.run(generate_round(server.url, prompts[:rows], args.max_tokens))
                         for _ in range(args.repeats)
                     )
-                    bound, memory_share = roofline(
+                    bound, decode_bound, memory_share = roofline(
                         config,
                         parameters,
                         rows,
@@ -249,13 +257,15 @@ def main() -> None:
                     row = {
                         "engine": engine, "dtype": dtype, "served_dtype": served, "concurrency": rows,
                         "tokens_per_second": rate, "roofline_tokens_per_second": bound,
+                        "decode_roofline_tokens_per_second": decode_bound,
                         "of_roofline": rate / bound, "memory_bound_steps": memory_share,
                         "server_start_seconds": started,
                     }  # fmt: skip
                     results.append(row)
                     print(
                         f"{engine:5s} {dtype:8s} (served {served}) c={rows:3d}: {rate:7.1f} new tokens/s; "
-                        f"roofline {bound:7.1f} ({rate / bound:.0%} of it, {memory_share:.0%} of steps memory-bound); "
+                        f"roofline {bound:7.1f} ({rate / bound:.0%} of it; decode steps alone {decode_bound:.1f}, "
+                        f"{rate / decode_bound:.0%}; {memory_share:.0%} of steps memory-bound); "
                         f"start {started:.0f} s",
                         flush=True,
                     )
