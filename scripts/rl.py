@@ -248,6 +248,12 @@ def main(cfg: Config) -> dict:
         # trainer before any training: an attached one may hold another run's weights, and a server that
         # cannot read the run directory, or runs another model or dtype, stops the run here.
         weight_sync.publish(start, "at the start of the run")
+        # Before the producer's thread: wandb's import runs ast.parse, which Python 3.11 fails beside another's.
+        log = RunLog(
+            run_dir, total_steps=cfg.steps, start_step=start, enabled=is_main, print_every=1, wandb=cfg.wandb,
+            config=to_dict(cfg), line=rl_line,
+        )  # fmt: skip
+        cleanup.callback(log.close)
         if is_main:
             mixture, evaluator, producer = start_producer(
                 cfg, servers, run_dir=run_dir, progress=progress, start=start, served_kept_sets=kept_set == "served",
@@ -257,11 +263,6 @@ def main(cfg: Config) -> dict:
             say(f"{mixture.describe()}; {len(servers.urls)} server(s): {' '.join(servers.urls)}")
             weight_sync.attach(on_loaded=producer.set_version)
             cleanup.callback(weight_sync.close)  # a reload in flight finishes, before the producer stops
-        log = RunLog(
-            run_dir, total_steps=cfg.steps, start_step=start, enabled=is_main, print_every=1, wandb=cfg.wandb,
-            config=to_dict(cfg), line=rl_line,
-        )  # fmt: skip
-        cleanup.callback(log.close)
         history, weights, flat_steps = [], None, 0
         if evaluator is not None:
             log.evaluation(start, evaluator(start))

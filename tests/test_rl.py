@@ -943,3 +943,28 @@ def test_a_lora_resume_refuses_a_base_model_whose_weights_changed(tiny_dir, serv
     save_file({name: t + 0.5 for name, t in load_file(weights).items()}, weights, metadata={"format": "pt"})
     with pytest.raises(UserError, match=f"--resume: {tmp_path / 'run'} trained its LoRA adapters on {base}"):
         rl.main(rl_config(base, tmp_path / "run", server.url, *lora, "--steps", "2", "--resume"))
+
+
+def test_wandb_starts_before_the_runs_threads(tiny_dir, server, tmp_path, monkeypatch):
+    # Importing wandb defines pydantic models whose field docstrings pydantic reads with ast.parse; on Python
+    # 3.11 two threads parsing at once can fail with "SystemError: AST constructor recursion depth mismatch",
+    # which killed a run started with --wandb.project while its producer thread was already sampling.
+    import threading
+
+    from lib import log
+
+    seen = []
+
+    def start_wandb(*args, **kwargs):
+        seen.append(sorted(t.name for t in threading.enumerate() if t is not threading.main_thread()))
+
+    monkeypatch.setattr(log, "start_wandb", start_wandb)
+    result = rl.main(
+        rl_config(
+            tiny_dir, tmp_path / "run", server.url, "--steps", "1", "--wandb.project", "p", "--wandb.offline"
+        )
+    )
+    assert len(result["history"]) == 1
+    assert seen and not [name for name in seen[0] if name.startswith(("rollout-producer", "weight-sync"))], (
+        seen
+    )
