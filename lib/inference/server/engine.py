@@ -50,9 +50,10 @@ class Engine:
     """Owns the model, the tokenizer and the worker thread; `submit` is safe to call from any thread.
 
     One worker thread owns the model: it loads it, and every computation with it (a reload's copy, a
-    fingerprint) runs there between two decode steps (_on_worker). Requests wait in a queue; whenever the worker is between two decode
-    steps it prefills the waiting prompts (up to max_batch_size sequences in all) into the running batch,
-    so a request never waits for another one to finish. Weights change only between two decode steps.
+    fingerprint) runs there between two decode steps (_on_worker). Requests wait in a queue; whenever the
+    worker is between two decode steps it prefills the waiting prompts (up to max_batch_size sequences in
+    all) into the running batch, so a request never waits for another one to finish. Weights change only
+    between two decode steps.
     """
 
     def __init__(
@@ -86,11 +87,6 @@ class Engine:
             raise
         self.tokenizer = Tokenizer(load_tokenizer(model_config.name))
         config = self.model.config
-        if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
-            self.close()
-            raise UserError(
-                "the builtin engine serves full-attention models only; use --engine vllm for this one."
-            )
         self.device = next(self.model.parameters()).device
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len or config.max_position_embeddings
@@ -105,6 +101,10 @@ class Engine:
 
     def _load(self, model_config: ModelConfig) -> None:
         self.model = load_model(model_config)
+        if any(kind != "full_attention" for kind in getattr(self.model.config, "layer_types", None) or []):
+            raise UserError(
+                "the builtin engine serves full-attention models only; use --engine vllm for this one."
+            )
         self.prepacked = linear.prepacks(self.model)
         if self.prepacked:
             linear.prepack(self.model)
