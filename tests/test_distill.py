@@ -130,7 +130,10 @@ def test_a_random_student_distilled_toward_a_trained_teacher_across_a_resume(
     # step ~12, where the student writes reversed-looking text but not yet the answer tags, so the held-out
     # reward stays 0 (60 steps: still 0). The bound leaves room for that spread.
     assert last < 0.6 * first
-    assert all(line["time/teacher"] > 0 for line in steps.values())
+    # Busy seconds since the previous step's batch was taken: 0 for a step whose rollouts the producer, running
+    # ahead (max_async_level 1), had scored before then; the run's sum is the teacher's time.
+    assert all(line["time/teacher"] >= 0 for line in steps.values())
+    assert sum(line["time/teacher"] for line in steps.values()) > 0
     assert (out / "teacher.log").is_file()
 
 
