@@ -430,6 +430,47 @@ def test_equal_prompts_are_prefilled_once_and_each_sequence_then_samples_its_own
         torch.testing.assert_close(torch.tensor(completion.logprobs), expected, rtol=0, atol=1e-5)
 
 
+def test_prompts_that_begin_alike_prefill_their_common_beginning_once(tiny_dir):
+    # An evaluation's prompts share their system prompt (30 of SmolLM2's 42 tokens on arithmetic), and each
+    # prefill ran it once a row. Now the beginning all of a prefill's prompts share runs once, its keys and
+    # values copied to every row, whose padding then lies between it and the row's own tokens; every served
+    # logprob stays a full forward's, through decode steps and a later join.
+    from lib.inference.server.decode import SHARED_PREFIX, Decoder, Sequence
+    from lib.models.load import load_model
+
+    model = load_model(ModelConfig(name=str(tiny_dir), device="cpu", dtype="float32"))
+    shapes = []  # (rows, tokens) of each forward
+    model.get_input_embeddings().register_forward_hook(
+        lambda _m, inputs, _out: shapes.append(tuple(inputs[0].shape))
+    )
+    decoder = Decoder(model, pad_id=0, detokenize=lambda ids, skip: "", seed=0)
+    common = list(range(40, 40 + SHARED_PREFIX + 4))
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    first = [common + [5, 6, 7], common + [8], common + [9, 10, 11, 12, 13]]
+    joining = [[3] + common + [14, 15], [3] + common + [16]]  # alike over a longer beginning, joined later
+    first, joining = (
+        [Sequence(p, params, None, frozenset(), None, 0) for p in ps] for ps in (first, joining)
+    )
+    done = []
+    with torch.inference_mode():
+        batch, _ = decoder.step(None, first, "v")
+        for step in range(12):
+            batch, finished = decoder.step(batch, joining if step == 2 else [], "v")
+            done += finished
+    assert batch is None and {seq for seq, _ in done} == {*first, *joining}
+    prefills = [shape for shape in shapes if shape[1] > 1]
+    # before: (3, len(common) + 5) and (2, len(common) + 3)
+    assert prefills == [(1, len(common)), (3, 5), (1, len(common) + 1), (2, 2)]
+    # Shorter than SHARED_PREFIX alike, or a single prompt: one forward of the whole prompts, as before.
+    shapes.clear()
+    decoded(decoder, [[1, 2, 3, 4], [1, 2, 3, 5, 6]], max_tokens=2)
+    decoded(decoder, [common], max_tokens=2)
+    assert [shape for shape in shapes if shape[1] > 1] == [(2, 5), (1, len(common))]
+    for seq, completion in done:
+        expected = full_forward_logprobs(model, seq, completion)
+        torch.testing.assert_close(torch.tensor(completion.logprobs), expected, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_decode_steps_attention_is_as_close_to_float64_as_sdpas(dtype):
     # A decode step's attention (one query token a row, SmolLM2's 9 query heads over 3 key/value heads, left
