@@ -10,8 +10,9 @@ import time
 import pytest
 import torch
 
-from lib.inference.server.decode import SamplingParams, draw, processed_logprobs
+from lib.inference.server.decode import SamplingParams
 from lib.inference.server.engine import Engine
+from lib.inference.server.sampler import draw, processed_logprobs
 from lib.models.load import ModelConfig
 
 # What an AVX2-only CPU (no AVX-512) looks like to torch's kernels, oneDNN and MKL on any x86-64 CPU.

@@ -7,7 +7,7 @@ from conftest import ROOT, load_script
 from test_rl import learned, rl, rl_config, server  # noqa: F401 (server: the builtin engine the runs attach to)
 
 from lib.config import parse
-from lib.inference.server.decode import processed_logprobs
+from lib.inference.server.sampler import processed_logprobs
 from lib.models.qwen import QwenConfig, write_qwen
 from lib.sampling import kept_mask
 from lib.trainer import head

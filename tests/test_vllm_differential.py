@@ -242,7 +242,7 @@ def full_distribution(engine: str, servers, model_dir, token_ids: list[int], voc
 def test_sampled_logprobs_agree_across_engines(servers, trained_tiny, temperature, top_p, top_k):
     from transformers import AutoConfig
 
-    from lib.inference.server.decode import processed_logprobs
+    from lib.inference.server.sampler import processed_logprobs
 
     vocab_size = AutoConfig.from_pretrained(trained_tiny).vocab_size
     worst = 0.0
