@@ -161,3 +161,44 @@ def test_free_ports_are_distinct():
     for _ in range(20):
         ports = launch.free_ports(64)
         assert len(set(ports)) == 64
+
+
+@pytest.mark.parametrize("on_policy, trainer, server", [(False, 1, 1), (True, 2, 2)])
+def test_rl_splits_two_cores_between_trainer_and_server_only_when_they_work_at_once(
+    on_policy, trainer, server, tmp_path, monkeypatch
+):
+    """Asynchronous, the trainer and the server it starts compute at once: a core each. On-policy they take
+    turns, so each takes both cores in its turn (a server held to one thread left a core idle while it
+    generated)."""
+    import contextlib
+    import os
+
+    from lib.inference.launch import InferenceConfig
+    from lib.models.load import ModelConfig
+
+    started, set_threads = {}, []
+
+    class Started(Exception):
+        pass
+
+    def start_server(*args, threads=None, **kwargs):
+        started["threads"] = threads
+        raise Started
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(launch, "start_server", start_server)
+    monkeypatch.setattr(torch, "set_num_threads", set_threads.append)
+    with pytest.raises(Started), contextlib.ExitStack() as cleanup:
+        launch.start_or_attach(
+            InferenceConfig(),
+            model=ModelConfig(name="unused"),
+            trainer_dtype="float32",
+            model_limit=2048,
+            seq_len=512,
+            device="cpu",
+            on_policy=on_policy,
+            run_dir=tmp_path,
+            api_key=None,
+            cleanup=cleanup,
+        )
+    assert (set_threads, started["threads"]) == ([trainer], server)

@@ -227,6 +227,20 @@ def running_server(model: str, **kwargs):
         server.stop()
 
 
+def cpu_threads(on_policy: bool, cores: int) -> tuple[int, int]:
+    """(trainer's, server's) threads when rl.py's trainer and the server it starts share `cores` CPU cores.
+    Asynchronous, both work at once: the cores are split, not oversubscribed. Measured on 2 shared, busy cores
+    (docs/benchmarks.md, the core split): trainer 1 / server 1 thread 9.7 and 2.9 s a step in two runs,
+    trainer 2 / server 1 12.5 and 4.8 s (training 2.8-2.9x slower): three threads on two cores stall each
+    other, as a 2-thread plain loop does (74 new tokens/s against ~1,000 at 1 thread). On-policy they take
+    turns (the server generates while the trainer waits for its rollouts, then the server waits while it
+    trains), so each takes every core in its turn."""
+    if on_policy:
+        return cores, cores
+    server = max(1, cores // 2)
+    return max(1, cores - server), server
+
+
 def start_or_attach(
     config: InferenceConfig,
     *,
@@ -255,17 +269,10 @@ def start_or_attach(
     if not urls:
         threads = None
         if device == "cpu":
-            # Trainer and server share the cores: split them rather than oversubscribe. On-policy, the
-            # server idles while the trainer trains, so the trainer takes every core. Measured on 2 shared,
-            # busy cores (docs/benchmarks.md, the core split): trainer 1 / server 1 thread 9.7 and 2.9 s a
-            # step in two runs, trainer 2 / server 1 12.5 and 4.8 s (training 2.8-2.9x slower): three
-            # threads on two cores stall each other, as a 2-thread plain loop does (74 new tokens/s against
-            # ~1,000 at 1 thread).
             import torch
 
-            cores = os.cpu_count() or 2
-            threads = max(1, cores // 2)
-            torch.set_num_threads(cores if on_policy else max(1, cores - threads))
+            trainer_threads, threads = cpu_threads(on_policy, os.cpu_count() or 2)
+            torch.set_num_threads(trainer_threads)
         server = start_server(
             model.name,
             config.port or None,
