@@ -51,7 +51,6 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # finds lib/ outside 
 import lib.venv  # noqa: F401  (first: says which python to use when the dependencies are missing)
 from lib import runlock
 from lib.config import UserError, parse, run_main, to_dict, write_config
-from lib.models.load import cpu_has_bf16
 from lib.models.smollm2 import SMOLLM2_DIR
 from lib.stages import Stage, minutes, resolved_command, run_stages
 from lib.venv import ROOT
@@ -311,11 +310,6 @@ def stages(cfg: Config, cleanup: contextlib.ExitStack) -> list[Stage]:
     rl_start = sft_weights if cfg.sft else model
     rl_command = ["scripts/rl.py", "@", str(CONFIGS / cfg.presets / "rl.toml"), "--model.name", str(rl_start)]
     rl_command += ["--steps", str(cfg.rl_steps), "--output-dir", str(rl), "--seed", str(cfg.seed), "--resume"]
-    if cfg.real and cfg.engine == "torch" and not cpu_has_bf16():
-        # In float32 (no AVX512-BF16 or AMX) the server and the one-thread trainer beside it keep both cores
-        # busy the whole step; on-policy each takes both cores in its turn: 23.8 s a step against 27.7-28.5
-        # lowered to AVX2, where with bf16 on AMX level 1 stays faster, 10.9 against 13.1 (docs/benchmarks.md).
-        rl_command += ["--max-async-level", "0"]
     base, after_sft, after_rl = (cfg.out / "eval" / name for name in ("base", "after-sft", "after-rl"))
     shared = SharedServer(cfg, model, cleanup) if cfg.engine == "vllm" else None
 

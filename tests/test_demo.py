@@ -634,20 +634,3 @@ def test_an_out_that_is_a_file_is_refused_in_one_sentence(tmp_path):
         with pytest.raises(UserError, match=rf"^--out {out}: {mine} is a file, not a directory"):
             demo.main(demo.Config(out=out, **TOY))
     assert mine.read_text() == "mine" and list(tmp_path.iterdir()) == [mine]
-
-
-@pytest.mark.parametrize(("bf16", "level"), [(True, 1), (False, 0)])
-def test_the_real_model_demo_trains_on_policy_where_the_cpu_computes_in_float32(
-    tmp_path, monkeypatch, bf16, level
-):
-    """Without native bf16 the demo's RL runs on-policy, server and trainer each on both cores in turn (2
-    float32 cores: 23.8 s a step against 27.7-28.5 asynchronous); with it, its preset's level 1 (faster there)."""
-    from lib.config import parse
-
-    monkeypatch.setattr(demo, "cpu_has_bf16", lambda: bf16)
-    ran = recording(monkeypatch, tmp_path / "demo")
-    cfg = demo.resolved(demo.parse(demo.Config, ["--out", str(tmp_path / "demo")]))
-    (rl_stage,) = [stage for stage in demo.stages(cfg, contextlib.ExitStack()) if stage.name == "rl"]
-    rl_stage.run()
-    (rl,) = [parse(load_script("rl").Config, args[1:]) for args in ran if args[0] == "scripts/rl.py"]
-    assert rl.max_async_level == level and preset_steps("smollm2_two_digit/rl") == rl.steps
