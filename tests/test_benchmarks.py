@@ -101,7 +101,9 @@ def test_bench_demo_rl_refuses_the_demo_it_starts_from(tmp_path, monkeypatch, ca
     assert capsys.readouterr().err.count("\n") == 1
 
 
-@pytest.mark.parametrize("path", ["inference/bench_generation.py", "trainer/bench_limits.py"])
+@pytest.mark.parametrize(
+    "path", ["inference/bench_generation.py", "inference/bench_decode_step.py", "trainer/bench_limits.py"]
+)
 def test_a_model_benchmark_without_its_model_says_how_to_make_it_in_one_sentence(
     path, tmp_path, monkeypatch, capsys
 ):
