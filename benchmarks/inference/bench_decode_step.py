@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: lib/ and benchmarks/
 import torch  # noqa: E402
 
-from benchmarks.common import DEFAULT_MODEL, check_model  # noqa: E402
+from benchmarks.common import DEFAULT_MODEL, check_model, matmul_gflops  # noqa: E402
 from lib.inference.server import linear  # noqa: E402
 from lib.inference.server.decode import Decoder, SamplingParams, Sequence  # noqa: E402
 from lib.models.load import ModelConfig, load_model  # noqa: E402
@@ -84,8 +84,7 @@ def main() -> None:
         inputs = {m.in_features: torch.randn(args.rows, m.in_features, dtype=dtype) for m in layers}
         flops = sum(2 * args.rows * m.in_features * m.out_features for m in layers)
         seconds = timed(lambda: [m(inputs[m.in_features]) for m in layers], 10)
-        a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
-        peak = 2 * 2048**3 / timed(lambda: a @ b, 10) / 1e9
+        peak = matmul_gflops(2048, 2048, 2048, dtype)[0]
     rate = flops / seconds / 1e9
     print(
         f"linear layers alone ({len(layers)}, output layer included): {seconds * 1e3:.1f} ms = {rate:.0f} "
