@@ -6,7 +6,6 @@ import importlib.util
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -22,13 +21,6 @@ from benchmarks.common import trained_tiny as trained_tiny_weights  # noqa: E402
 sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
 # Each session's seconds and what each test started, in outputs/test-report.json (tests/suite_record.py).
 pytest_plugins = ["suite_record"]
-# Inductor's cache does not tell kernels compiled for AVX2 from AVX-512 ones (torch 2.13): a run with the CPU
-# lowered (docs/testing.md) keeps a cache of its own, or each run would load the other's kernels and compute
-# NaN or crash.
-capability = os.environ.get("ATEN_CPU_CAPABILITY")
-if capability:
-    inductor_cache = Path(tempfile.gettempdir()) / f"torchinductor-{capability}"
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache))
 # Why the vLLM tests could not run, when they could not (printed once at the end of the session).
 TOOL_EPISODES = 2  # how many calculator episodes tool_caller learned by heart
 VLLM_MISSING = "vLLM's CPU build is not installed (make setup-vllm installs it on x86-64 and aarch64 Linux)"

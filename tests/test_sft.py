@@ -1,6 +1,7 @@
 """sft.py end to end on the tiny model: outputs, exact resume, accumulation, LoRA merge, two CPU processes,
 bf16 autocast on CPU."""
 
+import getpass
 import json
 import os
 import shutil
@@ -374,6 +375,42 @@ def test_compile_auto_is_on_where_bf16_autocast_pays_on_a_cpu_with_a_compiler(mo
 
     monkeypatch.setattr(builder, "get_cpp_compiler", no_compiler)
     assert not compiles(ModelConfig(), "cpu", bf16_compute=True, hidden_size=wide)
+
+
+# Compiles the tiny model's first norm and MLP as the trainer does, then runs them forward and backward in
+# bf16 autocast at two lengths (dynamic shapes).
+COMPILED_NORM_AND_MLP = """
+import sys, torch
+from lib.models.load import ModelConfig, load_model
+from lib.trainer.trainable import compile_norms_and_mlps
+model = load_model(ModelConfig(name=sys.argv[1], device="cpu", dtype="float32")).train()
+compile_norms_and_mlps(model)
+layer = model.model.layers[0]
+for length in (7, 33):
+    x = torch.randn(1, length, model.config.hidden_size, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layer.mlp(layer.post_attention_layernorm(x)).float().sum().backward()
+print("trained")
+"""
+
+
+@pytest.mark.slow
+def test_a_run_after_one_with_the_cpu_lowered_does_not_load_its_compiled_kernels(tiny_dir, tmp_path):
+    """On a CPU with AVX-512, a process lowered to AVX2 (ATEN_CPU_CAPABILITY, docs/testing.md) compiled
+    bf16 kernels into inductor's default cache, and the next process that was not lowered loaded them and
+    aborted on a corrupted heap ("free(): invalid pointer", "malloc(): unaligned tcache chunk detected"). On an AVX2-only CPU lowering changes nothing, and this passes
+    without the crash to avoid."""
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(ROOT)}  # inductor's default cache: TMPDIR
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    command = [sys.executable, "-c", COMPILED_NORM_AND_MLP, str(tiny_dir)]
+    for lowered in (True, False):
+        run_env = {**env, "ATEN_CPU_CAPABILITY": "avx2"} if lowered else env
+        done = subprocess.run(command, env=run_env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and done.stdout.strip() == "trained", (lowered, done.stderr[-2000:])
+    assert sorted(path.name for path in tmp_path.iterdir() if "inductor" in path.name) == [
+        "torchinductor_" + getpass.getuser(),
+        "torchinductor_" + getpass.getuser() + "-avx2",
+    ]
 
 
 def test_a_model_runs_in_the_dtype_its_trainer_computes_in(monkeypatch):
