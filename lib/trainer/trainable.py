@@ -3,7 +3,14 @@
 import dataclasses
 
 from lib.config import UserError
-from lib.models.load import CPU_BF16_MIN_HIDDEN_SIZE, ModelConfig, load_model, runs_in_dtype, trains_in_bf16
+from lib.models.load import (
+    CPU_BF16_MIN_HIDDEN_SIZE,
+    ModelConfig,
+    keep_freed_memory,
+    load_model,
+    runs_in_dtype,
+    trains_in_bf16,
+)
 
 
 def compiles(config: ModelConfig, device: str, bf16_compute: bool, hidden_size: int) -> bool:
@@ -97,6 +104,8 @@ def load_trainable(
         model_config, dtype="float32" if model_config.dtype == "auto" else model_config.dtype
     )
     model = load_model(train_config, device)
+    if device == "cpu":
+        keep_freed_memory()  # a step's activations are allocated again every step
     # bf16 compute over float32 master weights: AdamW's small updates survive, which bf16 weights round away.
     hidden_size = model.config.get_text_config().hidden_size
     bf16_compute = trains_in_bf16(model_config, device, hidden_size)

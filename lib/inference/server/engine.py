@@ -17,7 +17,7 @@ from lib.inference.server.decode import Batch, Completion, Decoder, SamplingPara
 from lib.inference.server.loading import check_tensors, read_adapter, read_weights
 from lib.inference.server.protocol import Tokenizer
 from lib.inference.weights import fingerprint
-from lib.models.load import ModelConfig, load_model, load_tokenizer
+from lib.models.load import ModelConfig, keep_freed_memory, load_model, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,8 @@ class Engine:
 
     def _load(self, model_config: ModelConfig) -> None:
         self.model = load_model(model_config)
+        if next(self.model.parameters()).device.type == "cpu":
+            keep_freed_memory()  # each decode step allocates its logits and their softmax again
         if any(kind != "full_attention" for kind in getattr(self.model.config, "layer_types", None) or []):
             raise UserError(
                 "the builtin engine serves full-attention models only; use --engine vllm for this one."
