@@ -398,8 +398,8 @@ print("trained")
 def test_a_run_after_one_with_the_cpu_lowered_does_not_load_its_compiled_kernels(tiny_dir, tmp_path):
     """On a CPU with AVX-512, a process lowered to AVX2 (ATEN_CPU_CAPABILITY, docs/testing.md) compiled
     bf16 kernels into inductor's default cache, and the next process that was not lowered loaded them and
-    aborted on a corrupted heap ("free(): invalid pointer", "malloc(): unaligned tcache chunk detected"). On an AVX2-only CPU lowering changes nothing, and this passes
-    without the crash to avoid."""
+    aborted on a corrupted heap ("free(): invalid pointer", "malloc(): unaligned tcache chunk detected").
+    On an AVX2-only CPU lowering changes nothing, and this passes without the crash to avoid."""
     env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(ROOT)}  # inductor's default cache: TMPDIR
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     command = [sys.executable, "-c", COMPILED_NORM_AND_MLP, str(tiny_dir)]

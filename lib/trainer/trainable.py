@@ -47,15 +47,15 @@ def separate_kernel_cache() -> None:
     """Keeps inductor's compiled kernels of a process whose CPU is lowered (ATEN_CPU_CAPABILITY, as
     docs/testing.md lowers it to AVX2) in a cache of their own, beside the default one. In one cache, a
     process that is not lowered loaded the bf16 norms and MLPs a lowered one had compiled and aborted at its
-    first step on a corrupted heap ("free(): invalid pointer", torch 2.13; tests/test_sft.py). A TORCHINDUCTOR_CACHE_DIR of the
-    user's own is left as it is."""
+    first step on a corrupted heap ("free(): invalid pointer", torch 2.13; tests/test_sft.py). A
+    TORCHINDUCTOR_CACHE_DIR of the user's own is left as it is."""
     import os
 
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    capability = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
-    if capability and os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default_cache_dir()}-{capability}"
+    capability, default = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower(), default_cache_dir()
+    if capability and os.environ.get("TORCHINDUCTOR_CACHE_DIR", default) == default:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default}-{capability}"
 
 
 @dataclasses.dataclass
